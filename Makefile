@@ -1,0 +1,50 @@
+# Longhaul: `make run` serves the product on the embedded SQLite default;
+# `make test` runs the whole suite on PostgreSQL, Playwright included.
+
+PYTHON ?= python3
+PORT ?= 8000
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+TEST_DATABASE_URL ?= $(if $(DATABASE_URL),$(DATABASE_URL),postgres://longhaul:longhaul@127.0.0.1:5432/longhaul)
+PYTEST := $(BIN)/pytest
+
+.PHONY: run test test-unit test-smoke test-e2e bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Longhaul needs Python 3.11 or newer")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+run: venv
+	mkdir -p var
+	$(BIN)/python manage.py migrate --noinput
+	$(BIN)/python manage.py seed_demo
+	@echo ""
+	@echo "  Longhaul: http://127.0.0.1:$(PORT)/   (sign in as demo / longhaul-demo; Ctrl-C stops)"
+	@echo ""
+	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start -f Procfile -p $(PORT)
+
+# The suite on PostgreSQL, a smoke subset on SQLite, then Playwright in its own
+# pytest invocation (its event loop clashes with asyncio tests in one process).
+test: venv
+	bin/ensure-postgres
+	bin/ensure-redis
+	bin/ensure-chromium
+	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'not e2e' tests
+	DATABASE_URL='sqlite:///$(CURDIR)/var/smoke.sqlite3' $(PYTEST) -p no:playwright -m 'smoke and not e2e' tests
+	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -m e2e tests/e2e
+
+test-unit: venv
+	$(PYTEST) -p no:playwright tests/unit
+
+bench: venv
+	bin/ensure-postgres
+	DATABASE_URL='$(TEST_DATABASE_URL)' $(BIN)/python bench/throughput.py
+
+clean:
+	rm -rf $(VENV) var

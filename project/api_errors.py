@@ -1,0 +1,80 @@
+"""One error shape for the whole API: {"error": "...", "code": "..."} (plus "field" when one is at fault).
+
+Raised from anywhere as an ApiError or a runtime error, rendered here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import PermissionDenied
+from django.http import Http404
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+
+from tasks.errors import Conflict, InvalidInput, InvalidTransition, QuotaExceeded
+
+
+class ApiError(exceptions.APIException):
+    def __init__(self, message: str, *, code: str, status_code: int = 400, field: str | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.error_code = code
+        self.field = field
+
+
+def _body(message: str, code: str, field: str | None = None) -> dict[str, Any]:
+    body = {"error": message, "code": code}
+    if field:
+        body["field"] = field
+    return body
+
+
+def _first_validation_error(detail: Any, prefix: str = "") -> tuple[str | None, str]:
+    if isinstance(detail, dict):
+        for key, value in detail.items():
+            name = key if key != "non_field_errors" else ""
+            path = f"{prefix}.{name}" if prefix and name else (name or prefix)
+            return _first_validation_error(value, path)
+    if isinstance(detail, list) and detail:
+        return _first_validation_error(detail[0], prefix)
+    return (prefix or None), str(detail)
+
+
+def render_api_error(exc: Exception, context: dict[str, Any]) -> Response | None:
+    if isinstance(exc, ApiError):
+        return Response(_body(str(exc.detail), exc.error_code, exc.field), status=exc.status_code)
+    if isinstance(exc, InvalidInput):
+        return Response(_body(str(exc), "invalid_input", exc.field), status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, Conflict):
+        return Response(_body(str(exc), exc.code), status=status.HTTP_409_CONFLICT)
+    if isinstance(exc, InvalidTransition):
+        return Response(_body(str(exc), "invalid_transition"), status=status.HTTP_409_CONFLICT)
+    if isinstance(exc, QuotaExceeded):
+        response = Response(_body(str(exc), "queue_full"), status=status.HTTP_429_TOO_MANY_REQUESTS)
+        response["Retry-After"] = str(exc.retry_after)
+        return response
+    if isinstance(exc, exceptions.ValidationError):
+        field, message = _first_validation_error(exc.detail)
+        text = f"{field}: {message}" if field else message
+        return Response(_body(text, "invalid_input", field), status=status.HTTP_400_BAD_REQUEST)
+    if isinstance(exc, exceptions.ParseError):
+        return Response(_body(f"the body is not valid JSON: {exc.detail}", "malformed_json"), status=400)
+    if isinstance(exc, Http404 | exceptions.NotFound):
+        return Response(_body("not found", "not_found"), status=status.HTTP_404_NOT_FOUND)
+    if isinstance(exc, exceptions.NotAuthenticated | exceptions.AuthenticationFailed):
+        response = Response(_body(str(exc.detail), "not_authenticated"), status=exc.status_code)
+        if getattr(exc, "auth_header", None):
+            response["WWW-Authenticate"] = exc.auth_header
+        return response
+    if isinstance(exc, PermissionDenied | exceptions.PermissionDenied):
+        return Response(_body(str(getattr(exc, "detail", exc) or "permission denied"), "permission_denied"),
+                        status=status.HTTP_403_FORBIDDEN)
+    if isinstance(exc, exceptions.APIException):
+        codes = exc.get_codes()
+        code = codes if isinstance(codes, str) else "error"
+        response = Response(_body(str(exc.detail), code), status=exc.status_code)
+        if isinstance(exc, exceptions.Throttled) and exc.wait:
+            response["Retry-After"] = str(int(exc.wait))
+        return response
+    return None

@@ -1,0 +1,201 @@
+"""Longhaul settings. Everything that differs between machines comes from the environment."""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from django.core.exceptions import ImproperlyConfigured
+
+from project.env import database_from_url, envbool, envfloat, envint, envlist, envstr
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(envstr("LONGHAUL_VAR_DIR", str(BASE_DIR / "var")))
+
+DEBUG = envbool("DEBUG", True)
+
+
+def _secret_key() -> str:
+    key = envstr("SECRET_KEY")
+    if key:
+        return key
+    if not DEBUG:
+        raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
+    # Development: one key generated on first start and kept, so sessions survive restarts.
+    path = VAR_DIR / "secret_key"
+    if not path.exists():
+        VAR_DIR.mkdir(parents=True, exist_ok=True)
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
+CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "channels",
+    "django_q",
+    "tasks",
+    "chat",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "whitenoise.middleware.WhiteNoiseMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "tasks.tenancy.TenantMiddleware",
+]
+
+ROOT_URLCONF = "project.urls"
+ASGI_APPLICATION = "project.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- Database -------------------------------------------------------------------
+# Embedded default: a SQLite file under var/. Production: DATABASE_URL=postgres://...
+DATABASE_URL = envstr("DATABASE_URL") or f"sqlite:///{VAR_DIR / 'longhaul.sqlite3'}"
+DATABASES = {"default": database_from_url("DATABASE_URL", DATABASE_URL)}
+# Persistent connections: without them every job and every enqueue reconnects (FACTS.md).
+DATABASES["default"]["CONN_MAX_AGE"] = envint("LONGHAUL_DB_CONN_MAX_AGE", 60, minimum=0)
+DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+DATABASES["default"].setdefault("TEST", {})
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    VAR_DIR.mkdir(parents=True, exist_ok=True)
+    # A file, not :memory:, so the test database is shared with worker threads.
+    DATABASES["default"]["TEST"]["NAME"] = str(VAR_DIR / "test.sqlite3")
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+# --- Channels -------------------------------------------------------------------
+REDIS_URL = envstr("REDIS_URL")
+if REDIS_URL:
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [REDIS_URL]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+# --- Auth -----------------------------------------------------------------------
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+]
+LOGIN_URL = "/accounts/login/"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "/accounts/login/"
+
+# --- Static files ---------------------------------------------------------------
+STATIC_URL = "/static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "static"
+WHITENOISE_USE_FINDERS = True  # serve straight from static/ without collectstatic in dev
+WHITENOISE_AUTOREFRESH = DEBUG
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+SESSION_COOKIE_SECURE = envbool("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = envbool("CSRF_COOKIE_SECURE", not DEBUG)
+SESSION_COOKIE_HTTPONLY = True
+X_FRAME_OPTIONS = "DENY"
+
+# --- REST API -------------------------------------------------------------------
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+        "rest_framework.authentication.TokenAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["project.parsers.StrictJSONParser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "project.api_errors.render_api_error",
+    "UNAUTHENTICATED_USER": "django.contrib.auth.models.AnonymousUser",
+}
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Longhaul API",
+    "DESCRIPTION": "Durable, multi-tenant background tasks for long-running agent work.",
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+}
+DATA_UPLOAD_MAX_MEMORY_SIZE = envint("LONGHAUL_MAX_BODY_BYTES", 1_000_000, minimum=1024)
+
+# --- django-q2: the transport. The Task table is the truth. ---------------------
+Q_WORKER_TIMEOUT = envint("LONGHAUL_Q_TIMEOUT", 60, minimum=1)
+Q_RETRY = envint("LONGHAUL_Q_RETRY", 75, minimum=2)
+if Q_WORKER_TIMEOUT >= Q_RETRY:
+    raise ImproperlyConfigured(
+        "LONGHAUL_Q_TIMEOUT must be below LONGHAUL_Q_RETRY, otherwise a slow job is redelivered while it runs"
+    )
+Q_CLUSTER = {
+    "name": "longhaul",
+    "orm": "default",
+    "workers": envint("LONGHAUL_WORKERS", 2, minimum=1),
+    "timeout": Q_WORKER_TIMEOUT,
+    "retry": Q_RETRY,
+    "poll": envfloat("LONGHAUL_Q_POLL", 0.05, minimum=0.01),
+    "bulk": envint("LONGHAUL_Q_BULK", 2, minimum=1),
+    "ack_failures": True,
+    "max_attempts": 1,
+    "save_limit": 200,
+    "catch_up": False,
+    "label": "Worker queue",
+}
+
+# --- The runtime ----------------------------------------------------------------
+LONGHAUL_CODE_VERSION = envstr("LONGHAUL_CODE_VERSION", "0.1.0")
+LONGHAUL_DEBUG_DRIVERS = envbool("LONGHAUL_DEBUG_DRIVERS", False)
+LONGHAUL_LEASE_SECONDS = envfloat("LONGHAUL_LEASE_SECONDS", 30.0, minimum=0.5)
+LONGHAUL_MAX_ATTEMPTS = envint("LONGHAUL_MAX_ATTEMPTS", 5, minimum=1)
+LONGHAUL_RETRY_BASE_SECONDS = envfloat("LONGHAUL_RETRY_BASE_SECONDS", 1.0, minimum=0.0)
+LONGHAUL_RETRY_CAP_SECONDS = envfloat("LONGHAUL_RETRY_CAP_SECONDS", 300.0, minimum=0.0)
+LONGHAUL_STALL_SECONDS = envfloat("LONGHAUL_STALL_SECONDS", 300.0, minimum=1.0)
+LONGHAUL_STEP_SLICE_MS = envint("LONGHAUL_STEP_SLICE_MS", 200, minimum=0)
+LONGHAUL_IDEMPOTENCY_TTL = envint("LONGHAUL_IDEMPOTENCY_TTL", 24 * 3600, minimum=1)
+LONGHAUL_MAX_RUNNING = envint("LONGHAUL_MAX_RUNNING", 50, minimum=1)
+LONGHAUL_MAX_QUEUED = envint("LONGHAUL_MAX_QUEUED", 10_000, minimum=1)
+LONGHAUL_SWEEP_BATCH = envint("LONGHAUL_SWEEP_BATCH", 500, minimum=1)
+LONGHAUL_NOTIFIER = envstr("LONGHAUL_NOTIFIER", "chat.notify.deliver")
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
+    "loggers": {"django_q": {"level": envstr("Q_LOG_LEVEL", "WARNING")}},
+}

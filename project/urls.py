@@ -1,0 +1,27 @@
+from django.contrib import admin
+from django.contrib.auth import views as auth_views
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView
+
+from chat import views as chat_views
+from project import views
+from tasks import api
+
+handler404 = "project.views.not_found"
+handler500 = "project.views.server_error"
+
+urlpatterns = [
+    path("", chat_views.chat_page, name="chat"),
+    path("healthz", views.healthz, name="healthz"),
+    path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("admin/", admin.site.urls),
+    path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("api/tasks", api.TaskListCreate.as_view(), name="task-list"),
+    path("api/tasks/<str:task_id>", api.TaskDetail.as_view(), name="task-detail"),
+    path("api/tasks/<str:task_id>/events", api.TaskEvents.as_view(), name="task-events"),
+    path("api/tasks/<str:task_id>/result", api.TaskResult.as_view(), name="task-result"),
+    path("api/tasks/<str:task_id>/cancel", api.TaskCancel.as_view(), name="task-cancel"),
+    path("api/tasks/<str:task_id>/pause", api.TaskPause.as_view(), name="task-pause"),
+    path("api/tasks/<str:task_id>/resume", api.TaskResume.as_view(), name="task-resume"),
+]

@@ -1,0 +1,224 @@
+"""The task REST API. Thin: parse, authorize, call tasks.actions, shape the answer."""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Any
+
+from django.apps import apps
+
+from django.db.models import QuerySet
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
+from rest_framework import generics, status
+from rest_framework.pagination import CursorPagination
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from project.api_errors import ApiError
+from tasks import actions
+from tasks.models import Membership, Task, Tenant
+from tasks.serializers import (
+    CancelSerializer,
+    ErrorSerializer,
+    EventPageSerializer,
+    EventSerializer,
+    PauseSerializer,
+    ResultSerializer,
+    ResumeSerializer,
+    SubmitSerializer,
+    TaskSerializer,
+)
+from tasks.statuses import TaskStatus
+from tasks.tenancy import TENANT_HEADER, tenant_for
+
+IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
+MAX_EVENTS_PAGE = 1000
+ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404, 409, 429)}
+
+
+def request_tenant(request: Request) -> Tenant:
+    tenant = tenant_for(request.user, slug=request.META.get(TENANT_HEADER))
+    if tenant is None:
+        raise ApiError("your account belongs to no tenant; ask an administrator to add you", code="no_tenant",
+                       status_code=403)
+    return tenant
+
+
+def visible_tasks(request: Request) -> QuerySet[Task]:
+    """Tasks this user may see: their own, or all of the tenant's for a tenant admin.
+    Anything else answers 404: knowing a task id grants nothing."""
+    tenant = request_tenant(request)
+    tasks = Task.objects.filter(tenant=tenant).select_related("thread")
+    is_admin = Membership.objects.filter(user=request.user, tenant=tenant, role=Membership.Role.ADMIN).exists()
+    return tasks if is_admin else tasks.filter(owner=request.user)
+
+
+def _uuid(raw: str, *, field: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise ApiError(f"{field} must be a UUID", code="invalid_input", field=field) from None
+
+
+def get_visible_task(request: Request, task_id: str) -> Task:
+    try:
+        public_id = uuid.UUID(task_id)
+    except ValueError:
+        raise ApiError("no such task", code="not_found", status_code=404) from None
+    task = visible_tasks(request).filter(public_id=public_id).first()
+    if task is None:
+        raise ApiError("no such task", code="not_found", status_code=404)
+    return task
+
+
+def _int_param(request: Request, name: str, default: int, *, low: int, high: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(f"{name} must be an integer", code="invalid_input", field=name) from None
+    if not low <= value <= high:
+        raise ApiError(f"{name} must be between {low} and {high}", code="invalid_input", field=name)
+    return value
+
+
+class TaskPagination(CursorPagination):
+    ordering = "-id"
+    page_size = 50
+    page_size_query_param = "limit"
+    max_page_size = 200
+
+
+class TaskListCreate(generics.ListAPIView):
+    serializer_class = TaskSerializer
+    pagination_class = TaskPagination
+
+    def get_queryset(self) -> QuerySet[Task]:
+        tasks = visible_tasks(self.request)
+        params = self.request.query_params
+        if status_filter := params.get("status"):
+            wanted = status_filter.split(",")
+            unknown = sorted(set(wanted) - set(TaskStatus.values))
+            if unknown:
+                raise ApiError(f"unknown status {unknown[0]!r}", code="invalid_input", field="status")
+            tasks = tasks.filter(status__in=wanted)
+        if kind := params.get("kind"):
+            tasks = tasks.filter(kind=kind)
+        if thread := params.get("thread"):
+            tasks = tasks.filter(thread__public_id=_uuid(thread, field="thread"))
+        return tasks
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("status", str, description="Comma-separated statuses"),
+            OpenApiParameter("kind", str),
+            OpenApiParameter("thread", OpenApiTypes.UUID),
+            OpenApiParameter("limit", int),
+        ],
+        responses={200: TaskSerializer(many=True), 401: ERRORS[401]},
+    )
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().get(request, *args, **kwargs)
+
+    @extend_schema(
+        request=SubmitSerializer,
+        parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER,
+                                     description="Same key and same request: the same task, not a second one.")],
+        responses={201: TaskSerializer, 200: TaskSerializer, **ERRORS},
+    )
+    def post(self, request: Request) -> Response:
+        tenant = request_tenant(request)
+        key = request.headers.get("Idempotency-Key")
+        if key is not None and not IDEMPOTENCY_KEY.match(key):
+            raise ApiError("Idempotency-Key must be 1 to 255 printable ASCII characters without spaces",
+                           code="invalid_input", field="Idempotency-Key")
+        body = SubmitSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        data = body.validated_data
+        thread_id = None
+        if data["thread"] is not None:
+            thread = apps.get_model("chat", "Thread").objects.filter(
+                public_id=data["thread"], tenant=tenant, owner=request.user, deleted=False).first()
+            if thread is None:
+                raise ApiError("no such thread", code="invalid_input", field="thread")
+            thread_id = thread.pk
+        task, created = actions.submit(
+            tenant=tenant,
+            user=request.user,
+            submission=actions.Submission(
+                kind=data["kind"], input=data["input"], name=data["name"], budget=data["budget"],
+                priority=data["priority"], thread_id=thread_id, idempotency_key=key,
+            ),
+        )
+        response = Response(TaskSerializer(task).data, status=status.HTTP_201_CREATED if created else status.HTTP_200_OK)
+        response["Location"] = f"/api/tasks/{task.public_id}"
+        return response
+
+
+class TaskDetail(APIView):
+    @extend_schema(responses={200: TaskSerializer, 404: ERRORS[404]})
+    def get(self, request: Request, task_id: str) -> Response:
+        return Response(TaskSerializer(get_visible_task(request, task_id)).data)
+
+
+class TaskEvents(APIView):
+    @extend_schema(
+        parameters=[OpenApiParameter("after", int, description="Last seq seen; 0 for all"),
+                    OpenApiParameter("limit", int)],
+        responses={200: EventPageSerializer, 400: ERRORS[400], 404: ERRORS[404]},
+    )
+    def get(self, request: Request, task_id: str) -> Response:
+        task = get_visible_task(request, task_id)
+        after = _int_param(request, "after", 0, low=0, high=2**62)
+        limit = _int_param(request, "limit", 100, low=1, high=MAX_EVENTS_PAGE)
+        events = list(task.events.filter(seq__gt=after).order_by("seq")[:limit])
+        return Response({
+            "results": EventSerializer(events, many=True).data,
+            "next_after": events[-1].seq if events else after,
+        })
+
+
+class TaskResult(APIView):
+    @extend_schema(responses={200: ResultSerializer, 404: ERRORS[404], 409: ERRORS[409]})
+    def get(self, request: Request, task_id: str) -> Response:
+        task = get_visible_task(request, task_id)
+        if task.result_version == 0:
+            raise ApiError(f"the task is {task.status} and has no result yet", code="not_ready", status_code=409)
+        return Response({"id": task.public_id, "status": task.status, "result": task.result,
+                         "result_version": task.result_version})
+
+
+class TaskCancel(APIView):
+    @extend_schema(request=CancelSerializer, responses={202: TaskSerializer, 404: ERRORS[404]})
+    def post(self, request: Request, task_id: str) -> Response:
+        task = get_visible_task(request, task_id)
+        body = CancelSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        task = actions.request_cancel(task, user=request.user, reason=body.validated_data["reason"],
+                                      keep_results=body.validated_data["keep_results"])
+        return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
+
+
+class TaskPause(APIView):
+    @extend_schema(request=PauseSerializer, responses={202: TaskSerializer, 404: ERRORS[404], 409: ERRORS[409]})
+    def post(self, request: Request, task_id: str) -> Response:
+        task = get_visible_task(request, task_id)
+        body = PauseSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        task = actions.request_pause(task, user=request.user, reason=body.validated_data["reason"])
+        return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
+
+
+class TaskResume(APIView):
+    @extend_schema(request=ResumeSerializer, responses={202: TaskSerializer, 404: ERRORS[404], 409: ERRORS[409]})
+    def post(self, request: Request, task_id: str) -> Response:
+        task = get_visible_task(request, task_id)
+        body = ResumeSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        task = actions.resume(task, user=request.user, budget=body.validated_data["budget"])
+        return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)

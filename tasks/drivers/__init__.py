@@ -1,0 +1,83 @@
+"""What a task kind does, step by step. Drivers know nothing of HTTP, WebSockets or the admin.
+
+A driver gets the checkpoint state and a StepContext, and returns the next state
+(Continue) or the end (Finish). It fails by raising a StepError subclass, whose
+class decides between a retry and a failure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+from django.conf import settings
+
+from tasks.errors import InvalidInput
+from tasks.events import NewEvent
+
+if TYPE_CHECKING:
+    from tasks.context import StepContext
+
+
+@dataclass(frozen=True)
+class Continue:
+    state: dict[str, Any]
+    events: list[NewEvent] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Finish:
+    state: dict[str, Any]
+    result: dict[str, Any]
+    events: list[NewEvent] = field(default_factory=list)
+
+
+Outcome = Continue | Finish
+
+
+@dataclass(frozen=True)
+class PartialResult:
+    result: dict[str, Any]
+    scope: str
+
+
+class Driver(Protocol):
+    kind: ClassVar[str]
+    schema_version: ClassVar[int]
+    debug_only: ClassVar[bool]
+
+    def validate_input(self, raw: Any) -> dict[str, Any]: ...
+
+    def initial_state(self, task_input: dict[str, Any]) -> dict[str, Any]: ...
+
+    def step(self, state: dict[str, Any], ctx: StepContext) -> Outcome: ...
+
+    def partial_result(self, state: dict[str, Any]) -> PartialResult | None: ...
+
+
+def _registry() -> dict[str, Driver]:
+    from tasks.drivers.sleep import SleepDriver
+
+    drivers: list[Driver] = [SleepDriver()]
+    return {d.kind: d for d in drivers}
+
+
+_DRIVERS: dict[str, Driver] | None = None
+
+
+def get_driver(kind: str) -> Driver:
+    """The driver for a task kind; unknown kinds (and debug kinds when disabled) are bad input."""
+    global _DRIVERS
+    if _DRIVERS is None:
+        _DRIVERS = _registry()
+    driver = _DRIVERS.get(kind)
+    if driver is None or (driver.debug_only and not settings.LONGHAUL_DEBUG_DRIVERS):
+        raise InvalidInput(f"unknown task kind {kind!r}; known kinds: {', '.join(available_kinds())}", field="kind")
+    return driver
+
+
+def available_kinds() -> list[str]:
+    global _DRIVERS
+    if _DRIVERS is None:
+        _DRIVERS = _registry()
+    return sorted(k for k, d in _DRIVERS.items() if settings.LONGHAUL_DEBUG_DRIVERS or not d.debug_only)

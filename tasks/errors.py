@@ -1,0 +1,93 @@
+"""The runtime's exceptions. Callers decide by type, never by message text."""
+
+from __future__ import annotations
+
+from tasks.statuses import ErrorClass
+
+
+class LonghaulError(Exception):
+    """Base of every error the runtime raises on purpose."""
+
+
+class InvalidTransition(LonghaulError):
+    def __init__(self, task_id: object, current: str, target: str) -> None:
+        super().__init__(f"task {task_id}: {current} -> {target} is not allowed")
+        self.current = current
+        self.target = target
+
+
+class LeaseLost(LonghaulError):
+    """The worker's fencing token is no longer the task's: another worker owns it now."""
+
+
+class Conflict(LonghaulError):
+    def __init__(self, message: str, *, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class InvalidInput(LonghaulError):
+    """A request the runtime refuses; `field` names the offending part."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class QuotaExceeded(LonghaulError):
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class StepError(LonghaulError):
+    """Raised by a driver step; the class decides retry or failure."""
+
+    error_class: ErrorClass = ErrorClass.INTERNAL
+    retryable = False
+
+    def __init__(self, message: str, *, detail: str = "") -> None:
+        super().__init__(message)
+        self.detail = detail
+
+
+class TransientError(StepError):
+    error_class = ErrorClass.TRANSIENT
+    retryable = True
+
+
+class RateLimited(StepError):
+    error_class = ErrorClass.RATE_LIMITED
+    retryable = True
+
+    def __init__(self, message: str, *, retry_after: float | None = None, detail: str = "") -> None:
+        super().__init__(message, detail=detail)
+        self.retry_after = retry_after
+
+
+class StepTimeout(StepError):
+    error_class = ErrorClass.TIMEOUT
+    retryable = True
+
+
+class InternalError(StepError):
+    """A bug or an unexpected exception in a step: retried from the checkpoint, within the budget."""
+
+    error_class = ErrorClass.INTERNAL
+    retryable = True
+
+
+class PermanentError(StepError):
+    error_class = ErrorClass.PERMANENT
+
+
+class SafePoint(LonghaulError):
+    """Control flow: the step stopped at a safe point because the user asked it to."""
+
+
+class CancelRequested(SafePoint):
+    pass
+
+
+class PauseRequested(SafePoint):
+    pass

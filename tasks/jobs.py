@@ -1,0 +1,46 @@
+"""The functions django-q2 executes. Each re-reads the truth from the database;
+the message that started it is only a hint."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+from tasks import clock, kicks, leases, runner, sweeper
+from tasks.models import Task
+from tasks.statuses import CLAIMABLE
+
+log = logging.getLogger(__name__)
+WATCHDOG_MARGIN = timedelta(milliseconds=500)
+
+
+def advance(task_id: int) -> None:
+    """Claim the task if a step is due and run it; otherwise do nothing."""
+    owner = leases.worker_identity()
+    now = clock.now()
+    task = leases.claim(task_id, owner=owner, now=now)
+    if task is None:
+        _watch_held_lease(task_id, now=now)
+        return
+    runner.run(task, owner=owner)
+
+
+def _watch_held_lease(task_id: int, *, now) -> None:
+    """A kick found the task held by another worker: look again when that lease would expire,
+    so a holder that died is replaced promptly instead of at the next sweep."""
+    row = (
+        Task.objects.filter(pk=task_id, status__in=CLAIMABLE, lease_expires_at__gte=now)
+        .exclude(lease_owner="")
+        .values("lease_expires_at")
+        .first()
+    )
+    if row is not None:
+        kicks.kick("advance", task_id, at=row["lease_expires_at"] + WATCHDOG_MARGIN)
+
+
+def sweep() -> dict[str, int]:
+    """The periodic safety net (a django-q2 schedule): see tasks/sweeper.py."""
+    counts = sweeper.run_once(now=clock.now())
+    if any(counts.values()):
+        log.info("sweep: %s", counts)
+    return counts

@@ -1,0 +1,49 @@
+"""Wake-ups through django-q2. A kick is only a hint: the job re-reads the row and does
+nothing if nothing is due, so kicks may be lost or duplicated without harm.
+
+With the ORM broker a kick is a row in the same database: written inside the
+transaction that made the work due, it commits or rolls back with it. A delayed
+kick is the same row with its `lock` in the future; the broker delivers it then.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from functools import lru_cache
+
+from django.utils import timezone
+from django_q.brokers import get_broker
+from django_q.humanhash import uuid as q_uuid
+from django_q.models import OrmQ
+from django_q.signing import SignedPackage
+
+JOBS = {
+    "advance": "tasks.jobs.advance",
+}
+
+
+@lru_cache(maxsize=1)
+def _queue_key() -> str:
+    return get_broker().list_key
+
+
+def kick(job: str, task_id: int, *, at: datetime | None = None) -> None:
+    """Ask a worker to run `job` for the task now, or not before `at`."""
+    now = timezone.now()
+    name, message_id = q_uuid()
+    package = {
+        "id": message_id,
+        "name": f"{job}-{task_id}-{name}",
+        "func": JOBS[job],
+        "args": (task_id,),
+        "kwargs": {},
+        # Results of kicks are not worth a row each; the task's own events tell the story.
+        "save": False,
+        "ack_failure": True,
+        "started": now,
+    }
+    OrmQ.objects.create(key=_queue_key(), payload=SignedPackage.dumps(package), lock=at if at and at > now else now)
+
+
+def other_work_waiting(*, now: datetime) -> bool:
+    return OrmQ.objects.filter(key=_queue_key(), lock__lte=now).exists()

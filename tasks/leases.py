@@ -1,0 +1,64 @@
+"""Claim, renew and check a task's lease. The fencing token is the lease's identity:
+it moves on with every claim, and every write a step makes is guarded by it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+
+from tasks import transitions
+from tasks.errors import LeaseLost
+from tasks.models import Task
+from tasks.statuses import CLAIMABLE
+
+
+def worker_identity() -> str:
+    """host:pid of this process; operators read it in the admin, fault drills kill it."""
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def lease_seconds() -> float:
+    return float(settings.LONGHAUL_LEASE_SECONDS)
+
+
+def claim(task_id: int, *, owner: str, now: datetime) -> Task | None:
+    """Take the lease of a task that is claimable, due and not held; None if it is not.
+
+    SKIP LOCKED: a row another transaction is claiming is not worth waiting for.
+    SQLite has no row locks; there the IMMEDIATE transaction serializes claims.
+    """
+    with transaction.atomic():
+        task = (
+            Task.objects.select_for_update(skip_locked=True)
+            .filter(pk=task_id, status__in=CLAIMABLE, next_run_at__lte=now)
+            .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
+            .first()
+        )
+        if task is None:
+            return None
+        expires_at = now + timedelta(seconds=lease_seconds())
+        if not transitions.claim(task, owner=owner, now=now, expires_at=expires_at):
+            return None
+        return task
+
+
+def renew(task_id: int, *, owner: str, token: int, now: datetime) -> bool:
+    """Heartbeat: push the lease expiry forward while the step runs. False: the lease is gone."""
+    return (
+        Task.objects.filter(pk=task_id, fencing_token=token, lease_owner=owner)
+        .update(lease_expires_at=now + timedelta(seconds=lease_seconds()), heartbeat_at=now)
+        == 1
+    )
+
+
+def lock_fenced(task_id: int, token: int) -> Task:
+    """Inside a transaction: lock the task row and prove the caller still holds the lease."""
+    task = Task.objects.select_for_update().filter(pk=task_id).first()
+    if task is None or task.fencing_token != token or not task.lease_owner:
+        raise LeaseLost(f"task {task_id}: fencing token {token} is stale")
+    return task

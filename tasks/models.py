@@ -1,0 +1,228 @@
+"""Tenancy and the durable task runtime's tables.
+
+Rows here are written by other processes at the same time: status, lease and
+notification columns change only through conditional UPDATEs in
+tasks/transitions.py and tasks/leases.py, never through read-modify-save().
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from tasks.statuses import CLAIMABLE, HOLDS_SLOT, ErrorClass, OperationStatus, TaskStatus
+
+
+class Tenant(models.Model):
+    name = models.CharField(max_length=200)
+    slug = models.SlugField(max_length=64, unique=True)
+    max_running = models.PositiveIntegerField(default=4, help_text="Tasks holding a running slot at once.")
+    max_queued = models.PositiveIntegerField(default=1000, help_text="Tasks waiting for admission at once.")
+    weight = models.PositiveIntegerField(default=1, help_text="Share of running slots relative to other tenants.")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Membership(models.Model):
+    class Role(models.TextChoices):
+        MEMBER = "member"
+        ADMIN = "admin"
+
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["user", "tenant"], name="membership_user_tenant_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.user} in {self.tenant} ({self.role})"
+
+
+class Task(models.Model):
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="tasks")
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="tasks")
+    # Named by string so that tasks never imports chat (DESIGN §3).
+    thread = models.ForeignKey("chat.Thread", null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks")
+    kind = models.CharField(max_length=32)
+    name = models.CharField(max_length=200)
+    input = models.JSONField(default=dict)
+    budget = models.JSONField(default=dict)
+    priority = models.SmallIntegerField(default=0)
+
+    status = models.CharField(max_length=16, choices=TaskStatus.choices, default=TaskStatus.QUEUED)
+    error_class = models.CharField(max_length=32, choices=ErrorClass.choices, blank=True)
+    error_message = models.TextField(blank=True, help_text="Shown to the task's owner.")
+    error_detail = models.TextField(blank=True, help_text="Internal; never leaves the server.")
+    version = models.PositiveBigIntegerField(default=0, help_text="Bumped by every status change and claim.")
+
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    fencing_token = models.PositiveBigIntegerField(default=0)
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    last_progress_at = models.DateTimeField(null=True, blank=True)
+    stalled_at = models.DateTimeField(null=True, blank=True)
+    current_step = models.PositiveIntegerField(default=0, help_text="Steps completed and checkpointed.")
+    waiting_reason = models.CharField(max_length=64, blank=True)
+    attempts = models.PositiveIntegerField(default=0, help_text="Claims of the current step; reset when it commits.")
+    retries = models.PositiveIntegerField(default=0, help_text="Retries drawn from the task's retry budget.")
+    next_run_at = models.DateTimeField(null=True, blank=True)
+    queue_deadline_at = models.DateTimeField(null=True, blank=True)
+
+    cancel_requested_at = models.DateTimeField(null=True, blank=True)
+    cancel_requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    cancel_reason = models.CharField(max_length=500, blank=True)
+    cancel_keep_results = models.BooleanField(default=False)
+    pause_requested_at = models.DateTimeField(null=True, blank=True)
+    pause_requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    pause_reason = models.CharField(max_length=500, blank=True)
+
+    result = models.JSONField(null=True, blank=True)
+    result_version = models.PositiveIntegerField(default=0)
+
+    code_version = models.CharField(max_length=64, blank=True)
+    schema_version = models.PositiveIntegerField(default=0)
+    model_name = models.CharField(max_length=200, blank=True)
+    prompt_version = models.CharField(max_length=64, blank=True)
+    tool_protocol = models.CharField(max_length=64, blank=True)
+
+    last_event_seq = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # leases.claim and sweeper.kick_due: "claimable and due", ordered by due time.
+            models.Index(fields=["next_run_at"], name="task_due_idx", condition=Q(status__in=sorted(CLAIMABLE))),
+            # scheduling.admit: the tenant's queued tasks in priority and age order.
+            models.Index(
+                fields=["tenant", "-priority", "created_at"],
+                name="task_queued_idx",
+                condition=Q(status=TaskStatus.QUEUED),
+            ),
+            # scheduling.running_counts: slots held per tenant.
+            models.Index(fields=["tenant"], name="task_slot_idx", condition=Q(status__in=sorted(HOLDS_SLOT))),
+            # sweeper.find_stalled and lease expiry: tasks a worker holds.
+            models.Index(fields=["lease_expires_at"], name="task_leased_idx", condition=~Q(lease_owner="")),
+            # api: a tenant's tasks, newest first.
+            models.Index(fields=["tenant", "-created_at"], name="task_tenant_recent_idx"),
+            models.Index(fields=["thread", "-created_at"], name="task_thread_recent_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.status})"
+
+
+class TaskEvent(models.Model):
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    seq = models.PositiveBigIntegerField()
+    kind = models.CharField(max_length=40)
+    status = models.CharField(max_length=16, choices=TaskStatus.choices)
+    data = models.JSONField(default=dict)
+    at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["task", "seq"]
+        constraints = [models.UniqueConstraint(fields=["task", "seq"], name="event_task_seq_unique")]
+
+    def __str__(self) -> str:
+        return f"#{self.seq} {self.kind}"
+
+
+class Checkpoint(models.Model):
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    fencing_token = models.PositiveBigIntegerField()
+    state = models.JSONField(default=dict)
+    schema_version = models.PositiveIntegerField()
+    at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["task", "step"]
+        # A step commits at most once: a zombie's duplicate would collide here even if the fence failed.
+        constraints = [models.UniqueConstraint(fields=["task", "step"], name="checkpoint_task_step_unique")]
+
+
+class Operation(models.Model):
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="operations")
+    key = models.CharField(max_length=200, unique=True, help_text="task:step:n, the same on every attempt.")
+    step = models.PositiveIntegerField()
+    n = models.PositiveIntegerField()
+    kind = models.CharField(max_length=16)  # model, tool, effect
+    name = models.CharField(max_length=100)
+    args_digest = models.CharField(max_length=64)
+    status = models.CharField(max_length=16, choices=OperationStatus.choices, default=OperationStatus.STARTED)
+    result = models.JSONField(null=True, blank=True)
+    error_class = models.CharField(max_length=32, blank=True)
+    error_message = models.TextField(blank=True)
+    attempts = models.PositiveIntegerField(default=1)
+    has_side_effects = models.BooleanField(default=False)
+    fencing_token = models.PositiveBigIntegerField()
+    started_at = models.DateTimeField()
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["task", "step", "n"]
+
+    def __str__(self) -> str:
+        return self.key
+
+
+class IdempotencyRecord(models.Model):
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
+    key = models.CharField(max_length=255)
+    kind = models.CharField(max_length=32)
+    request_digest = models.CharField(max_length=64)
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tenant", "user", "key"], name="idempotency_tenant_user_key_unique")
+        ]
+
+
+class AuditEntry(models.Model):
+    tenant = models.ForeignKey(Tenant, null=True, on_delete=models.SET_NULL, related_name="+")
+    actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    action = models.CharField(max_length=64)
+    target_type = models.CharField(max_length=32)
+    target_id = models.CharField(max_length=64)
+    details = models.JSONField(default=dict)
+    at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-at"]
+        verbose_name_plural = "audit entries"
+        indexes = [models.Index(fields=["tenant", "-at"], name="audit_tenant_recent_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.action} {self.target_type} {self.target_id}"
+
+
+class SleepEffect(models.Model):
+    """The debug `sleep` driver's side effect. No unique constraint on purpose:
+    a step whose effect ran twice shows up as two rows."""
+
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
+    step = models.PositiveIntegerField()
+    at = models.DateTimeField()

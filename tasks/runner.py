@@ -1,0 +1,220 @@
+"""Execute a claimed task's steps: safe points, the driver, the fenced commit.
+
+One step runs outside any transaction (it may sleep or wait); its checkpoint,
+events, status and the next kick then commit together, guarded by the fencing
+token. When nothing else waits for a worker, the next step runs in place
+for a short time slice instead of a broker round trip.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+from datetime import datetime
+
+from django.conf import settings
+from django.db import transaction
+
+from tasks import clock, kicks, leases, scheduling, transitions
+from tasks.budgets import Budget, retry_at
+from tasks.context import StepContext
+from tasks.drivers import Continue, Driver, Finish, Outcome, get_driver
+from tasks.errors import (
+    CancelRequested,
+    InternalError,
+    InvalidInput,
+    LeaseLost,
+    PauseRequested,
+    RateLimited,
+    StepError,
+)
+from tasks.heartbeat import heartbeat
+from tasks.models import Checkpoint, Task
+from tasks.statuses import ErrorClass
+
+log = logging.getLogger(__name__)
+
+
+def run(task: Task, *, owner: str) -> None:
+    """Run steps of a task this worker has just claimed, until it yields, waits or ends."""
+    slice_ends = time.monotonic() + settings.LONGHAUL_STEP_SLICE_MS / 1000
+    current: Task | None = task
+    while current is not None:
+        try:
+            current = run_step(current, owner=owner, slice_ends=slice_ends)
+        except LeaseLost:
+            # Another worker owns the task now; this one writes nothing more.
+            log.warning("task %s: lease lost, stopping", task.pk)
+            return
+
+
+def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
+    """One step. Returns the task when this worker keeps the lease for the next step."""
+    token = task.fencing_token
+    now = clock.now()
+    if task.cancel_requested_at:
+        return _stop_at_safe_point(task, token, CancelRequested())
+    if task.pause_requested_at:
+        return _stop_at_safe_point(task, token, PauseRequested())
+    if task.attempts > settings.LONGHAUL_MAX_ATTEMPTS:
+        return _end_failed(task, token, ErrorClass.POISON,
+                           f"gave up after {task.attempts - 1} attempts that never finished the step")
+    try:
+        driver = get_driver(task.kind)
+    except InvalidInput as exc:
+        return _end_failed(task, token, ErrorClass.PERMANENT, str(exc))
+    reason = Budget.of(task.budget).exhausted(steps_done=task.current_step, started_at=task.started_at, now=now)
+    if reason:
+        return _end_for_budget(task, token, driver, reason)
+
+    checkpoint = latest_checkpoint(task)
+    if checkpoint is not None and checkpoint.schema_version > driver.schema_version:
+        # A newer worker wrote this checkpoint; leave the task for a worker that can read it.
+        log.warning("task %s: checkpoint schema %s is newer than %s", task.pk, checkpoint.schema_version,
+                    driver.schema_version)
+        raise LeaseLost("checkpoint from a newer schema")
+    state = checkpoint.state if checkpoint else driver.initial_state(task.input)
+
+    ctx = StepContext(task, token=token)
+    heartbeat.hold(task.pk, owner=owner, token=token)
+    try:
+        ctx.check_safe_point(force=True)
+        outcome = driver.step(state, ctx)
+    except (CancelRequested, PauseRequested) as stop:
+        return _stop_at_safe_point(task, token, stop)
+    except StepError as exc:
+        return _after_error(task, token, exc)
+    except LeaseLost:
+        raise
+    except Exception as exc:  # a bug in a driver must not crash-loop the worker
+        log.exception("task %s: step %s raised", task.pk, task.current_step)
+        return _after_error(task, token, InternalError(f"internal error ({type(exc).__name__})",
+                                                       detail=traceback.format_exc()))
+    finally:
+        heartbeat.drop(task.pk)
+
+    keep = (
+        isinstance(outcome, Continue)
+        and time.monotonic() < slice_ends
+        and not kicks.other_work_waiting(now=clock.now())
+    )
+    return _commit(task, token, driver, outcome, ctx, keep_lease=keep)
+
+
+def latest_checkpoint(task: Task) -> Checkpoint | None:
+    return Checkpoint.objects.filter(task_id=task.pk).order_by("-step").first()
+
+
+def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,
+            keep_lease: bool) -> Task | None:
+    now = clock.now()
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
+                                  state=outcome.state, schema_version=driver.schema_version, at=now)
+        events = [*ctx.events, *outcome.events]
+        if isinstance(outcome, Finish):
+            # A late cancel loses to a finished result: the work is done and recorded.
+            _won(transitions.succeed(fresh, token=token, now=now, result=outcome.result, events=events))
+            scheduling.admit(fresh.tenant_id, now=now)
+            return None
+        stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
+        keep = keep_lease or stop_requested
+        _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep, events=events))
+        if stop_requested:
+            stop_as_requested(fresh, now=now, token=token)
+            return None
+        if not keep:
+            kicks.kick("advance", task.pk)
+            return None
+        return fresh
+
+
+def _won(won: bool) -> None:
+    # The row is locked and fenced: losing here means the row changed under the lock.
+    if not won:
+        raise LeaseLost("transition lost under the row lock")
+
+
+def _stop_at_safe_point(task: Task, token: int, stop: CancelRequested | PauseRequested) -> None:
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        stop_as_requested(fresh, now=clock.now(), token=token)
+    return None
+
+
+def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) -> None:
+    """End a task that was asked to cancel or pause. A cancel that asked to keep results
+    ends `partial` with what the last checkpoint can deliver. Without a token, only a
+    task nobody holds can be stopped (the transition checks)."""
+    if task.cancel_requested_at:
+        partial = None
+        if task.cancel_keep_results:
+            checkpoint = latest_checkpoint(task)
+            driver = _driver_or_none(task.kind)
+            if checkpoint is not None and driver is not None:
+                partial = driver.partial_result(checkpoint.state)
+        if partial is not None:
+            won = transitions.finish_partial(task, now=now, token=token, result=partial.result,
+                                             scope=partial.scope, reason="cancelled")
+        else:
+            won = transitions.cancel(task, now=now, token=token)
+    else:
+        won = transitions.pause(task, now=now, token=token)
+    if token is not None:
+        _won(won)
+    if won:
+        scheduling.admit(task.tenant_id, now=now)
+
+
+def _driver_or_none(kind: str) -> Driver | None:
+    try:
+        return get_driver(kind)
+    except InvalidInput:
+        return None
+
+
+def _end_failed(task: Task, token: int, error_class: str, message: str, detail: str = "") -> None:
+    now = clock.now()
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        _won(transitions.fail(fresh, now=now, token=token, error_class=error_class, message=message, detail=detail))
+        scheduling.admit(fresh.tenant_id, now=now)
+    return None
+
+
+def _end_for_budget(task: Task, token: int, driver: Driver, reason: str) -> None:
+    now = clock.now()
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        checkpoint = latest_checkpoint(fresh)
+        partial = driver.partial_result(checkpoint.state) if checkpoint else None
+        if partial is not None:
+            _won(transitions.finish_partial(fresh, now=now, token=token, result=partial.result,
+                                            scope=f"{partial.scope}; stopped by budget ({reason})",
+                                            reason="budget_exhausted"))
+        else:
+            _won(transitions.fail(fresh, now=now, token=token, error_class=ErrorClass.BUDGET_EXHAUSTED,
+                                  message=f"stopped before any result: {reason}"))
+        scheduling.admit(fresh.tenant_id, now=now)
+    return None
+
+
+def _after_error(task: Task, token: int, exc: StepError) -> None:
+    budget = Budget.of(task.budget)
+    if not exc.retryable:
+        return _end_failed(task, token, exc.error_class, str(exc), exc.detail)
+    if task.retries >= budget.max_retries:
+        return _end_failed(task, token, exc.error_class,
+                           f"gave up after {task.retries} retries: {exc}", exc.detail)
+    now = clock.now()
+    hint = exc.retry_after if isinstance(exc, RateLimited) else None
+    run_at = retry_at(now, task.retries, hint=hint)
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        _won(transitions.schedule_retry(fresh, token=token, now=now, run_at=run_at,
+                                        error_class=exc.error_class, message=str(exc)[:500]))
+        kicks.kick("advance", task.pk, at=run_at)
+    return None
+

@@ -1,0 +1,101 @@
+"""The safety net: re-kick what is due and held by nobody, admit into free slots,
+time out stale queues, flag stalled tasks, forget expired idempotency keys.
+
+Kicks may be lost; this makes sure nothing waits forever because of it. Each part
+runs on its own, so one failing part never stops the others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+
+from tasks import kicks, transitions
+from tasks.events import NewEvent, append
+from tasks.models import AuditEntry, IdempotencyRecord, Task
+from tasks.scheduling import admit, admit_waiting_tenants
+from tasks.statuses import CLAIMABLE, ErrorClass, TaskStatus
+
+log = logging.getLogger(__name__)
+# A task due for less than this is probably being kicked right now; don't pile on.
+KICK_GRACE = timedelta(seconds=5)
+
+
+def run_once(*, now: datetime) -> dict[str, int]:
+    parts: dict[str, Callable[[datetime], int]] = {
+        "kicked": kick_due,
+        "queue_timeouts": fail_queue_timeouts,
+        "admitted": lambda at: admit_waiting_tenants(now=at),
+        "stalled": flag_stalled,
+        "idempotency_expired": forget_expired_keys,
+    }
+    counts = {}
+    for name, part in parts.items():
+        try:
+            counts[name] = part(now)
+        except Exception:
+            log.exception("sweep part %s failed", name)
+            counts[name] = 0
+    return counts
+
+
+def kick_due(now: datetime) -> int:
+    """Tasks whose next step is due, held by nobody (or by a worker whose lease expired)."""
+    ids = list(
+        Task.objects.filter(status__in=CLAIMABLE, next_run_at__lte=now - KICK_GRACE)
+        .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
+        .order_by("next_run_at")
+        .values_list("pk", flat=True)[: settings.LONGHAUL_SWEEP_BATCH]
+    )
+    for task_id in ids:
+        kicks.kick("advance", task_id)
+    return len(ids)
+
+
+def fail_queue_timeouts(now: datetime) -> int:
+    count = 0
+    overdue = Task.objects.filter(status=TaskStatus.QUEUED, queue_deadline_at__lt=now)
+    for task in overdue[: settings.LONGHAUL_SWEEP_BATCH]:
+        with transaction.atomic():
+            if transitions.fail(task, now=now, error_class=ErrorClass.QUEUE_TIMEOUT,
+                                message="waited in the queue past its deadline without getting a slot"):
+                count += 1
+                admit(task.tenant_id, now=now)
+    return count
+
+
+def flag_stalled(now: datetime) -> int:
+    """A fresh heartbeat with stale progress: the process lives but the task does not move."""
+    limit = now - timedelta(seconds=settings.LONGHAUL_STALL_SECONDS)
+    candidates = (
+        Task.objects.exclude(lease_owner="")
+        .filter(lease_expires_at__gte=now, stalled_at__isnull=True)
+        .filter(Q(last_progress_at__lt=limit) | Q(last_progress_at__isnull=True, started_at__lt=limit))
+    )
+    count = 0
+    for task in candidates[: settings.LONGHAUL_SWEEP_BATCH]:
+        with transaction.atomic():
+            # stalled_at is not part of the version: flagging must not fence the worker out.
+            if not Task.objects.filter(pk=task.pk, stalled_at__isnull=True).update(stalled_at=now):
+                continue
+            since = task.last_progress_at or task.started_at
+            append(task, [NewEvent("stalled", {"no_progress_since": since.isoformat() if since else None,
+                                               "step": task.current_step})], status=task.status, at=now)
+            AuditEntry.objects.create(tenant_id=task.tenant_id, actor=None, action="task.stalled",
+                                      target_type="task", target_id=str(task.public_id), at=now,
+                                      details={"step": task.current_step, "lease_owner": task.lease_owner})
+            count += 1
+    return count
+
+
+def forget_expired_keys(now: datetime) -> int:
+    deleted, _ = IdempotencyRecord.objects.filter(expires_at__lt=now).delete()
+    return deleted
+
+
+

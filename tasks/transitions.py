@@ -1,0 +1,268 @@
+"""Every change of a task's status, one small function each.
+
+Each function issues one conditional UPDATE guarded by the status and `version`
+the caller read (and, for a worker, its fencing token), appends the matching
+event in the same transaction, and returns whether it won. A caller that asks
+for a move the state machine forbids gets InvalidTransition; a caller that lost
+a race gets False and must re-read, never overwrite.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db import connection
+from django.db.models import Q
+
+from tasks.errors import InvalidTransition
+from tasks.events import NewEvent, append
+from tasks.models import Task
+from tasks.statuses import ACTIVE, CLAIMABLE, TERMINAL, TaskStatus
+
+S = TaskStatus
+NOT_HELD = Q(lease_owner="")
+
+
+def _lease_free(now: datetime) -> Q:
+    """Nobody holds the lease, or its holder stopped renewing it."""
+    return Q(lease_owner="") | Q(lease_expires_at__lt=now)
+
+
+def _move(
+    task: Task,
+    to: TaskStatus,
+    *,
+    allowed_from: frozenset[str] | set[str],
+    now: datetime,
+    token: int | None = None,
+    guard: Q | None = None,
+    fields: dict[str, Any] | None = None,
+    events: list[NewEvent],
+) -> bool:
+    if task.status not in allowed_from:
+        raise InvalidTransition(task.public_id, task.status, to)
+    assert connection.in_atomic_block, "a transition and its event commit together"
+    rows = Task.objects.filter(pk=task.pk, status=task.status, version=task.version)
+    if token is not None:
+        rows = rows.filter(fencing_token=token)
+    if guard is not None:
+        rows = rows.filter(guard)
+    values = dict(fields or {})
+    values.update(status=to, version=task.version + 1, updated_at=now)
+    if rows.update(**values) != 1:
+        return False
+    for name, value in values.items():
+        setattr(task, name, value)
+    append(task, events, status=to, at=now)
+    return True
+
+
+def _released() -> dict[str, Any]:
+    return {"lease_owner": "", "lease_expires_at": None}
+
+
+def _finished(now: datetime) -> dict[str, Any]:
+    return {**_released(), "finished_at": now, "next_run_at": None, "waiting_reason": ""}
+
+
+# --- admission and claims --------------------------------------------------------
+
+
+def admit(task: Task, *, now: datetime) -> bool:
+    """queued -> running: the task got a slot; its first (or next) step is due now."""
+    return _move(
+        task,
+        S.RUNNING,
+        allowed_from={S.QUEUED},
+        now=now,
+        fields={"next_run_at": now, "started_at": task.started_at or now, "attempts": 0},
+        events=[NewEvent("admitted")],
+    )
+
+
+def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> bool:
+    """running/retry_wait -> running with a new lease and the next fencing token."""
+    taken_over = bool(task.lease_owner)
+    events = []
+    if taken_over:
+        events.append(NewEvent("recovered", {"step": task.current_step}))
+    if task.status == S.RETRY_WAIT:
+        events.append(NewEvent("retrying", {"retries": task.retries}))
+    return _move(
+        task,
+        S.RUNNING,
+        allowed_from=CLAIMABLE,
+        now=now,
+        guard=_lease_free(now) & Q(next_run_at__lte=now),
+        fields={
+            "lease_owner": owner,
+            "lease_expires_at": expires_at,
+            "heartbeat_at": now,
+            "fencing_token": task.fencing_token + 1,
+            "attempts": task.attempts + 1,
+            "waiting_reason": "",
+        },
+        events=events,
+    )
+
+
+def commit_step(
+    task: Task, *, token: int, now: datetime, keep_lease: bool, events: list[NewEvent], result: Any = None
+) -> bool:
+    """running -> running: a step's checkpoint is committed; the next step is due now."""
+    fields: dict[str, Any] = {
+        "current_step": task.current_step + 1,
+        "attempts": 0,
+        "last_progress_at": now,
+        "next_run_at": now,
+        "stalled_at": None,
+    }
+    if not keep_lease:
+        fields.update(_released())
+    if result is not None:
+        fields.update(result=result, result_version=task.result_version + 1)
+    return _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+
+
+def schedule_retry(
+    task: Task, *, token: int, now: datetime, run_at: datetime, error_class: str, message: str
+) -> bool:
+    """running -> retry_wait: a retryable error; the step runs again at `run_at`."""
+    return _move(
+        task,
+        S.RETRY_WAIT,
+        allowed_from={S.RUNNING},
+        now=now,
+        token=token,
+        fields={**_released(), "next_run_at": run_at, "retries": task.retries + 1, "attempts": 0,
+                "waiting_reason": "retry"},
+        events=[NewEvent("retry_scheduled", {"error_class": error_class, "message": message,
+                                             "retry_at": run_at.isoformat(), "retries": task.retries + 1})],
+    )
+
+
+# --- endings ---------------------------------------------------------------------
+
+
+def succeed(task: Task, *, token: int, now: datetime, result: Any, events: list[NewEvent]) -> bool:
+    return _move(
+        task,
+        S.SUCCEEDED,
+        allowed_from={S.RUNNING},
+        now=now,
+        token=token,
+        fields={**_finished(now), "result": result, "result_version": task.result_version + 1,
+                "current_step": task.current_step + 1, "last_progress_at": now},
+        events=[*events, NewEvent("succeeded", {"result_version": task.result_version + 1})],
+    )
+
+
+def finish_partial(
+    task: Task, *, now: datetime, result: Any, scope: str, reason: str, token: int | None = None
+) -> bool:
+    """Stop with a deliverable result of stated scope (budget, or cancel keeping results)."""
+    return _move(
+        task,
+        S.PARTIAL,
+        allowed_from=ACTIVE,
+        now=now,
+        token=token,
+        guard=None if token is not None else _lease_free(now),
+        fields={**_finished(now), "result": result, "result_version": task.result_version + 1,
+                "fencing_token": task.fencing_token + 1},
+        events=[NewEvent("partial", {"scope": scope, "reason": reason, "result_version": task.result_version + 1})],
+    )
+
+
+def fail(
+    task: Task, *, now: datetime, error_class: str, message: str, detail: str = "", token: int | None = None
+) -> bool:
+    """Any active status -> failed. Without a token, only while nobody holds the lease."""
+    return _move(
+        task,
+        S.FAILED,
+        allowed_from=ACTIVE,
+        now=now,
+        token=token,
+        guard=None if token is not None else _lease_free(now),
+        fields={**_finished(now), "error_class": error_class, "error_message": message[:2000],
+                "error_detail": detail[:10000], "fencing_token": task.fencing_token + 1},
+        events=[NewEvent("failed", {"error_class": error_class, "message": message[:500]})],
+    )
+
+
+def cancel(task: Task, *, now: datetime, token: int | None = None) -> bool:
+    """Any active status -> cancelled. Without a token, only while nobody holds the lease;
+    the fencing token moves on, so a holder whose lease expired can write nothing more."""
+    return _move(
+        task,
+        S.CANCELLED,
+        allowed_from=ACTIVE,
+        now=now,
+        token=token,
+        guard=None if token is not None else _lease_free(now),
+        fields={**_finished(now), "error_class": "cancelled", "fencing_token": task.fencing_token + 1},
+        events=[NewEvent("cancelled", {"reason": task.cancel_reason})],
+    )
+
+
+# --- pause, resume, requests -----------------------------------------------------
+
+
+def pause(task: Task, *, now: datetime, token: int | None = None) -> bool:
+    """Stop at a safe point with a complete checkpoint; holds no slot until resumed."""
+    return _move(
+        task,
+        S.PAUSED,
+        allowed_from={S.QUEUED, S.RUNNING, S.RETRY_WAIT, S.WAITING_INPUT, S.WAITING_TOOL},
+        now=now,
+        token=token,
+        guard=None if token is not None else _lease_free(now),
+        fields={**_released(), "next_run_at": None, "fencing_token": task.fencing_token + 1,
+                "waiting_reason": ""},
+        events=[NewEvent("paused", {"reason": task.pause_reason})],
+    )
+
+
+def requeue(task: Task, *, now: datetime, budget: dict[str, Any] | None = None, reason: str) -> bool:
+    """paused/partial -> queued: wait for admission again, from the last checkpoint."""
+    fields: dict[str, Any] = {
+        "pause_requested_at": None, "pause_requested_by": None, "pause_reason": "",
+        "cancel_requested_at": None, "cancel_requested_by": None, "cancel_reason": "",
+        "cancel_keep_results": False, "finished_at": None, "next_run_at": None, "attempts": 0,
+    }
+    if budget is not None:
+        fields["budget"] = budget
+    return _move(task, S.QUEUED, allowed_from={S.PAUSED, S.PARTIAL}, now=now, fields=fields,
+                 events=[NewEvent("queued", {"reason": reason})])
+
+
+def mark_cancel_requested(task: Task, *, now: datetime, by_id: int | None, reason: str, keep_results: bool) -> bool:
+    """Persist a cancel request first; whoever holds the task acts on it at its next safe point."""
+    if task.status in TERMINAL:
+        raise InvalidTransition(task.public_id, task.status, "cancel_requested")
+    rows = Task.objects.filter(pk=task.pk, version=task.version, cancel_requested_at__isnull=True)
+    fields = {"cancel_requested_at": now, "cancel_requested_by_id": by_id, "cancel_reason": reason[:500],
+              "cancel_keep_results": keep_results, "version": task.version + 1, "updated_at": now}
+    if rows.update(**fields) != 1:
+        return False
+    for name, value in fields.items():
+        setattr(task, name, value)
+    append(task, [NewEvent("cancel_requested", {"reason": reason[:500], "keep_results": keep_results})],
+           status=task.status, at=now)
+    return True
+
+
+def mark_pause_requested(task: Task, *, now: datetime, by_id: int | None, reason: str) -> bool:
+    if task.status in TERMINAL:
+        raise InvalidTransition(task.public_id, task.status, "pause_requested")
+    rows = Task.objects.filter(pk=task.pk, version=task.version, pause_requested_at__isnull=True)
+    fields = {"pause_requested_at": now, "pause_requested_by_id": by_id, "pause_reason": reason[:500],
+              "version": task.version + 1, "updated_at": now}
+    if rows.update(**fields) != 1:
+        return False
+    for name, value in fields.items():
+        setattr(task, name, value)
+    append(task, [NewEvent("pause_requested", {"reason": reason[:500]})], status=task.status, at=now)
+    return True

@@ -1,0 +1,63 @@
+"""Shared fixtures: tenants and named users (alice and bob in acme, charlie in globex)."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import User
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from tasks.models import Membership, Tenant
+
+
+@pytest.fixture(autouse=True)
+def _debug_drivers(settings):
+    settings.LONGHAUL_DEBUG_DRIVERS = True
+
+
+@pytest.fixture
+def acme(db) -> Tenant:
+    return Tenant.objects.create(slug="acme", name="Acme", max_running=4, max_queued=100)
+
+
+@pytest.fixture
+def globex(db) -> Tenant:
+    return Tenant.objects.create(slug="globex", name="Globex", max_running=4, max_queued=100)
+
+
+def make_user(username: str, tenant: Tenant, *, role: str = Membership.Role.MEMBER) -> User:
+    user = User.objects.create_user(username=username, password=f"{username}-password-1")
+    Membership.objects.create(user=user, tenant=tenant, role=role)
+    return user
+
+
+@pytest.fixture
+def alice(acme) -> User:
+    return make_user("alice", acme)
+
+
+@pytest.fixture
+def bob(acme) -> User:
+    return make_user("bob", acme)
+
+
+@pytest.fixture
+def charlie(globex) -> User:
+    return make_user("charlie", globex)
+
+
+def api_client_for(user: User) -> APIClient:
+    client = APIClient()
+    token, _ = Token.objects.get_or_create(user=user)
+    client.credentials(HTTP_AUTHORIZATION=f"Token {token.key}")
+    return client
+
+
+@pytest.fixture
+def alice_api(alice) -> APIClient:
+    return api_client_for(alice)
+
+
+@pytest.fixture
+def charlie_api(charlie) -> APIClient:
+    return api_client_for(charlie)

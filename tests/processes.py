@@ -1,0 +1,145 @@
+"""Real processes for acceptance and end-to-end tests: qcluster workers and daphne,
+pointed at the test database of the running test session."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from urllib.parse import quote
+
+from django.db import connection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_database_url() -> str:
+    """The URL of the database this test session uses (test_<name>), for child processes."""
+    s = connection.settings_dict
+    if connection.vendor == "sqlite":
+        return f"sqlite:///{s['NAME']}"
+    auth = quote(s["USER"] or "", safe="")
+    if s.get("PASSWORD"):
+        auth += ":" + quote(s["PASSWORD"], safe="")
+    return f"postgres://{auth}@{s['HOST'] or '127.0.0.1'}:{s['PORT'] or 5432}/{s['NAME']}"
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        DATABASE_URL=test_database_url(),
+        LONGHAUL_DEBUG_DRIVERS="1",
+        DJANGO_SETTINGS_MODULE="project.settings",
+        PYTHONUNBUFFERED="1",
+    )
+    env.update(overrides)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Process:
+    """A child process in its own process group, with its output in a log file."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = self.log_path.open("wb")
+        self.popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def children(self) -> list[int]:
+        """Pids of the direct children (qcluster's worker processes live here)."""
+        out = subprocess.run(["pgrep", "-P", str(self.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    def descendants(self) -> list[int]:
+        found, frontier = [], [self.pid]
+        while frontier:
+            pid = frontier.pop()
+            out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+            kids = [int(p) for p in out.split()]
+            found.extend(kids)
+            frontier.extend(kids)
+        return found
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        if self.popen.poll() is None:
+            try:
+                os.killpg(self.pid, sig)
+            except ProcessLookupError:
+                pass
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+    def output(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def qcluster(log_dir: Path, *, workers: int = 2, name: str = "qcluster", **env: str) -> Iterator[Process]:
+    proc = Process(name, [sys.executable, "manage.py", "qcluster"],
+                   child_env(LONGHAUL_WORKERS=str(workers), **env), log_dir)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def daphne(log_dir: Path, *, port: int | None = None, **env: str) -> Iterator[str]:
+    """A daphne serving project.asgi; yields its base URL once /healthz answers."""
+    port = port or free_port()
+    proc = Process("daphne", [sys.executable, "-m", "daphne", "-b", "127.0.0.1", "-p", str(port),
+                              "project.asgi:application"], child_env(**env), log_dir)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_http(f"{base}/healthz", proc)
+        yield base
+    finally:
+        proc.stop()
+
+
+def wait_for_http(url: str, proc: Process, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise RuntimeError(f"{proc.name} exited early:\n{proc.output()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {timeout}s:\n{proc.output()[-3000:]}")
+
+
+def wait_until(predicate, *, timeout: float, interval: float = 0.2, message: str = "condition") -> None:
+    """Poll a condition that another process makes true (real processes take real time)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}")
