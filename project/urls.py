@@ -5,6 +5,7 @@ from drf_spectacular.views import SpectacularAPIView
 
 from chat import views as chat_views
 from project import views
+from project.api_me import MeView
 from tasks import api
 
 handler404 = "project.views.not_found"
@@ -17,6 +18,7 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
+    path("api/me", MeView.as_view(), name="me"),
     path("api/tasks", api.TaskListCreate.as_view(), name="task-list"),
     path("api/tasks/<str:task_id>", api.TaskDetail.as_view(), name="task-detail"),
     path("api/tasks/<str:task_id>/events", api.TaskEvents.as_view(), name="task-events"),

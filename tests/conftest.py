@@ -11,8 +11,11 @@ from tasks.models import Membership, Tenant
 
 
 @pytest.fixture(autouse=True)
-def _debug_drivers(settings):
+def _test_settings(settings):
     settings.LONGHAUL_DEBUG_DRIVERS = True
+    # Hashing a password the real way costs ~0.3 s a user; tests make many users.
+    # Suites whose child processes verify passwords (e2e) put the real hashers back.
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 
 @pytest.fixture

@@ -1,0 +1,86 @@
+"""The sweeper: the safety net for lost kicks, stale queues and stalled tasks."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import time_machine
+from django_q.models import OrmQ
+
+from tasks import clock, leases, sweeper
+from tasks.models import AuditEntry, IdempotencyRecord, Task
+from tasks.statuses import TaskStatus
+from tests.factories import make_task, submit_sleep
+
+S = TaskStatus
+pytestmark = pytest.mark.django_db
+
+
+def kicked_ids() -> list[int]:
+    from django_q.signing import SignedPackage
+
+    return [SignedPackage.loads(row.payload)["args"][0] for row in OrmQ.objects.all()]
+
+
+def test_it_kicks_due_tasks_that_nobody_holds(acme, alice):
+    now = clock.now()
+    lost = make_task(acme, alice, status=S.RUNNING, next_run_at=now - timedelta(minutes=1))
+    expired = make_task(acme, alice, status=S.RUNNING, next_run_at=now - timedelta(minutes=1),
+                        lease_owner="dead:1", lease_expires_at=now - timedelta(seconds=1))
+    make_task(acme, alice, status=S.RUNNING, next_run_at=now - timedelta(minutes=1),
+              lease_owner="alive:2", lease_expires_at=now + timedelta(seconds=20))
+    make_task(acme, alice, status=S.RETRY_WAIT, next_run_at=now + timedelta(minutes=5))
+    OrmQ.objects.all().delete()
+    assert sweeper.kick_due(now) == 2
+    assert sorted(kicked_ids()) == sorted([lost.pk, expired.pk])
+
+
+def test_it_fails_tasks_that_waited_past_their_queue_deadline(acme, alice):
+    acme.max_running = 0
+    acme.save()
+    task = submit_sleep(acme, alice)
+    with time_machine.travel(task.queue_deadline_at + timedelta(seconds=1), tick=False):
+        counts = sweeper.run_once(now=clock.now())
+    assert counts["queue_timeouts"] == 1
+    task.refresh_from_db()
+    assert task.status == S.FAILED
+    assert task.error_class == "queue_timeout"
+    assert "deadline" in task.error_message
+
+
+def test_it_admits_queued_tasks_when_slots_are_free(acme, alice):
+    queued = make_task(acme, alice, status=S.QUEUED)
+    counts = sweeper.run_once(now=clock.now())
+    assert counts["admitted"] == 1
+    assert Task.objects.get(pk=queued.pk).status == S.RUNNING
+
+
+def test_a_fresh_heartbeat_with_stale_progress_is_flagged_once(acme, alice, settings):
+    task = submit_sleep(acme, alice)
+    start = clock.now()
+    leases.claim(task.pk, owner="busy:1", now=start)
+    later = start + timedelta(seconds=settings.LONGHAUL_STALL_SECONDS + 5)
+    with time_machine.travel(later, tick=False):
+        assert leases.renew(task.pk, owner="busy:1", token=1, now=clock.now())
+        assert sweeper.flag_stalled(clock.now()) == 1
+        assert sweeper.flag_stalled(clock.now()) == 0
+    task.refresh_from_db()
+    assert task.stalled_at is not None
+    assert task.events.filter(kind="stalled").count() == 1
+    assert AuditEntry.objects.filter(action="task.stalled", target_id=str(task.public_id)).exists()
+
+
+def test_a_task_that_progresses_is_not_flagged(acme, alice, settings):
+    task = submit_sleep(acme, alice)
+    leases.claim(task.pk, owner="busy:1", now=clock.now())
+    Task.objects.filter(pk=task.pk).update(last_progress_at=clock.now())
+    assert sweeper.flag_stalled(clock.now()) == 0
+
+
+def test_it_forgets_expired_idempotency_keys(acme, alice):
+    task = submit_sleep(acme, alice, key="k")
+    assert IdempotencyRecord.objects.count() == 1
+    with time_machine.travel(clock.now() + timedelta(days=2), tick=False):
+        assert sweeper.forget_expired_keys(clock.now()) == 1
+    assert Task.objects.filter(pk=task.pk).exists(), "forgetting a key keeps the task"
