@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from tasks import clock, kicks, leases, runner, sweeper
+from tasks import clock, drain, kicks, leases, runner, sweeper
 from tasks.models import Task
 from tasks.statuses import CLAIMABLE
 
@@ -16,13 +16,17 @@ WATCHDOG_MARGIN = timedelta(milliseconds=500)
 
 def advance(task_id: int) -> None:
     """Claim the task if a step is due and run it; otherwise do nothing."""
-    owner = leases.worker_identity()
-    now = clock.now()
-    task = leases.claim(task_id, owner=owner, now=now)
-    if task is None:
-        _watch_held_lease(task_id, now=now)
-        return
-    runner.run(task, owner=owner)
+    with drain.job():
+        if drain.draining.is_set():
+            kicks.kick("advance", task_id)  # hand the hint on to a worker that is not stopping
+            return
+        owner = leases.worker_identity()
+        now = clock.now()
+        task = leases.claim(task_id, owner=owner, now=now)
+        if task is None:
+            _watch_held_lease(task_id, now=now)
+            return
+        runner.run(task, owner=owner)
 
 
 def _watch_held_lease(task_id: int, *, now) -> None:

@@ -29,6 +29,7 @@ from tasks.errors import (
     RateLimited,
     StepError,
 )
+from tasks.drain import draining
 from tasks.heartbeat import heartbeat
 from tasks.models import Checkpoint, Task
 from tasks.statuses import ErrorClass
@@ -96,6 +97,7 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
 
     keep = (
         isinstance(outcome, Continue)
+        and not draining.is_set()
         and time.monotonic() < slice_ends
         and not kicks.other_work_waiting(now=clock.now())
     )

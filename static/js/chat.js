@@ -45,6 +45,10 @@ export function announce(text) {
 panelToggle.addEventListener("click", () => setPanelOpen(panel.hidden));
 panelClose.addEventListener("click", () => setPanelOpen(false));
 threadsToggle.addEventListener("click", () => setThreadsOpen(!app.hasAttribute("data-threads-open")));
+document.getElementById("threads-close").addEventListener("click", () => {
+  setThreadsOpen(false);
+  threadsToggle.focus();
+});
 scrim.addEventListener("click", () => {
   if (!panel.hidden) setPanelOpen(false, { restoreFocus: false });
   setThreadsOpen(false);
@@ -60,10 +64,10 @@ document.addEventListener("keydown", (event) => {
   }
 });
 
-// The composer grows with its text up to the CSS max-height.
+// The composer grows with its text up to the CSS max-height; empty, it is one line.
 function fitComposer() {
-  input.style.height = "auto";
-  input.style.height = `${input.scrollHeight}px`;
+  input.style.height = "";
+  if (input.value) input.style.height = `${input.scrollHeight}px`;
 }
 input.addEventListener("input", fitComposer);
 

@@ -86,3 +86,44 @@ def test_a_step_that_always_kills_its_worker_ends_as_poison(acme, alice, log_dir
     assert doomed.current_step == 1, "the step before the crash stays committed"
     assert healthy.status == TaskStatus.SUCCEEDED
     assert_gapless_events()
+
+
+@pytest.mark.parametrize("target", ["main process", "every process"])
+def test_sigterm_drains_workers_releasing_leases_and_losing_nothing(acme, alice, log_dir, target):
+    acme.max_running = 10
+    acme.save()
+    tasks = [submit_sleep(acme, alice, steps=4, step_seconds=0.8, side_effect=True) for _ in range(6)]
+    with qcluster(log_dir, workers=2, name="first", **FAST_RECOVERY) as cluster:
+        wait_until(lambda: SleepEffect.objects.count() >= 3, timeout=60, message="a few steps")
+        wait_until(lambda: worker_pid_of_a_running_step(cluster) is not None, timeout=30, interval=0.05,
+                   message="a worker mid-step")
+        workers = cluster.descendants()
+        if target == "main process":  # honcho, docker stop, systemd KillMode=mixed
+            os.kill(cluster.pid, signal.SIGTERM)
+            wait_until(lambda: cluster.popen.poll() is not None, timeout=60, message="the cluster to exit")
+        else:  # systemd's default: every process of the service at once
+            os.killpg(cluster.pid, signal.SIGTERM)
+            wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in workers),
+                       timeout=60, message="the workers to exit")
+            # django-q2's supervisor died with the same signal and cannot stop cleanly; what
+            # matters here is what the workers left behind.
+            cluster.stop(signal.SIGKILL)
+    connection.close()
+    assert not Task.objects.exclude(lease_owner="").exists(), "a drained worker released its lease"
+    assert not Task.objects.filter(status=TaskStatus.FAILED).exists()
+    with qcluster(log_dir, workers=2, name="second", **FAST_RECOVERY):
+        wait_until(all_terminal, timeout=120, interval=0.5, message="every task to end")
+    assert Counter(Task.objects.values_list("status", flat=True)) == {TaskStatus.SUCCEEDED: len(tasks)}
+    effects = Counter(SleepEffect.objects.values_list("task_id", "step"))
+    assert len(effects) == len(tasks) * 4 and max(effects.values()) == 1
+    assert not TaskEvent.objects.filter(kind="recovered").exists(), "no lease had to expire"
+    assert_gapless_events()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -15,7 +15,8 @@ from tests.conftest import make_user
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
-def sign_in(page: Page, base: str, username: str, password: str) -> None:
+def sign_in(page: Page, username: str, password: str) -> None:
+    """Fill in and submit the login form the page shows."""
     page.get_by_label("Username").fill(username)
     page.get_by_label("Password").fill(password)
     page.get_by_role("button", name="Sign in").click()
@@ -25,7 +26,7 @@ def test_it_refuses_a_wrong_password_with_an_alert(page: Page, server: str, scre
     make_user("dana", Tenant.objects.create(slug="initech", name="Initech"))
     page.goto(f"{server}/accounts/login/")
 
-    sign_in(page, server, "dana", "not-her-password")
+    sign_in(page, "dana", "not-her-password")
 
     expect(page.get_by_role("alert")).to_contain_text("don't match")
     expect(page).to_have_url(re.compile(r"/accounts/login/$"))
@@ -34,11 +35,13 @@ def test_it_refuses_a_wrong_password_with_an_alert(page: Page, server: str, scre
 
 def test_it_signs_in_and_shows_the_chat_shell(page: Page, server: str, screenshots: Path):
     make_user("dana", Tenant.objects.create(slug="initech", name="Initech"))
+    script_errors: list[str] = []
+    page.on("pageerror", lambda error: script_errors.append(str(error)))
 
     page.goto(f"{server}/")
     expect(page).to_have_url(re.compile(r"/accounts/login/\?next=/$"))
     page.screenshot(path=screenshots / "login-desktop.png")
-    sign_in(page, server, "dana", "dana-password-1")
+    sign_in(page, "dana", "dana-password-1")
 
     expect(page).to_have_url(f"{server}/")
     expect(page.get_by_role("banner").get_by_role("link", name="Longhaul")).to_be_visible()
@@ -87,3 +90,4 @@ def test_it_signs_in_and_shows_the_chat_shell(page: Page, server: str, screensho
     page.screenshot(path=screenshots / "chat-mobile-threads.png")
     page.keyboard.press("Escape")
     expect(page.get_by_role("button", name="New thread")).to_be_hidden()
+    assert script_errors == []

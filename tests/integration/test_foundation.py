@@ -94,7 +94,9 @@ def test_it_signs_alice_in_and_shows_the_chat_shell(client: Client, alice: User)
     assert elements["new-thread"][0] == "button"
     assert {"thread-list", "conversation", "composer", "composer-input", "send"} <= elements.keys()
     assert re.search(r'<h3[^>]*>\s*Active\s*</h3>', html) and re.search(r'<h3[^>]*>\s*Recent\s*</h3>', html)
-    assert 'aria-live="polite"' in html
+    panel_html = html[html.index('id="task-panel"'):html.index("</aside>")]
+    assert 'id="task-live"' in panel_html and elements["task-live"][1]["aria-live"] == "polite"
+    assert "hidden" in elements["task-count"][1]
     assert "No threads yet" in html
     assert re.search(r'<form[^>]*method="post"[^>]*action="/accounts/logout/"', html)
 
