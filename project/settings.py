@@ -155,8 +155,9 @@ SPECTACULAR_SETTINGS = {
 DATA_UPLOAD_MAX_MEMORY_SIZE = envint("LONGHAUL_MAX_BODY_BYTES", 1_000_000, minimum=1024)
 
 # --- django-q2: the transport. The Task table is the truth. ---------------------
-Q_WORKER_TIMEOUT = envint("LONGHAUL_Q_TIMEOUT", 60, minimum=1)
-Q_RETRY = envint("LONGHAUL_Q_RETRY", 75, minimum=2)
+# A gateway job may run calls for its slice plus one operation lease: keep the timeout above that.
+Q_WORKER_TIMEOUT = envint("LONGHAUL_Q_TIMEOUT", 300, minimum=1)
+Q_RETRY = envint("LONGHAUL_Q_RETRY", 330, minimum=2)
 if Q_WORKER_TIMEOUT >= Q_RETRY:
     raise ImproperlyConfigured(
         "LONGHAUL_Q_TIMEOUT must be below LONGHAUL_Q_RETRY, otherwise a slow job is redelivered while it runs"
@@ -189,6 +190,11 @@ LONGHAUL_IDEMPOTENCY_TTL = envint("LONGHAUL_IDEMPOTENCY_TTL", 24 * 3600, minimum
 LONGHAUL_MAX_RUNNING = envint("LONGHAUL_MAX_RUNNING", 50, minimum=1)
 LONGHAUL_MAX_QUEUED = envint("LONGHAUL_MAX_QUEUED", 10_000, minimum=1)
 LONGHAUL_SWEEP_BATCH = envint("LONGHAUL_SWEEP_BATCH", 500, minimum=1)
+LONGHAUL_MODEL_CONCURRENCY = envint("LONGHAUL_MODEL_CONCURRENCY", 32, minimum=1)
+LONGHAUL_TOOL_CONCURRENCY = envint("LONGHAUL_TOOL_CONCURRENCY", 64, minimum=1)
+LONGHAUL_GATEWAY_INFLIGHT = envint("LONGHAUL_GATEWAY_INFLIGHT", 200, minimum=1)
+LONGHAUL_GATEWAY_SLICE_SECONDS = envfloat("LONGHAUL_GATEWAY_SLICE_SECONDS", 60.0, minimum=1.0)
+LONGHAUL_OPERATION_LEASE_SECONDS = envfloat("LONGHAUL_OPERATION_LEASE_SECONDS", 180.0, minimum=1.0)
 LONGHAUL_NOTIFIER = envstr("LONGHAUL_NOTIFIER", "chat.notify.deliver")
 
 LOGGING = {

@@ -17,6 +17,9 @@ LIMITS: dict[str, tuple[int, int, int]] = {
     "max_wall_seconds": (6 * 3600, 1, 7 * 24 * 3600),
     "max_retries": (5, 0, 100),
     "queue_deadline_seconds": (24 * 3600, 1, 30 * 24 * 3600),
+    "max_model_calls": (200, 1, 100_000),
+    "max_tool_calls": (500, 1, 100_000),
+    "max_tokens": (2_000_000, 1_000, 1_000_000_000),
 }
 
 
@@ -26,6 +29,9 @@ class Budget:
     max_wall_seconds: int
     max_retries: int
     queue_deadline_seconds: int
+    max_model_calls: int
+    max_tool_calls: int
+    max_tokens: int
 
     @classmethod
     def parse(cls, raw: Any) -> Budget:

@@ -47,6 +47,12 @@ class StepContext:
     def retries(self) -> int:
         return self.task.retries
 
+    def requested_outcomes(self) -> list[Any]:
+        """Outcomes of the model and tool calls the previous step requested, in request order."""
+        from tasks.operations import outcomes
+
+        return outcomes(self.task.pk, self.step - 1) if self.step > 0 else []
+
     def emit(self, kind: str, **data: Any) -> None:
         """An event committed with this step's checkpoint."""
         self.events.append(NewEvent(kind, data))

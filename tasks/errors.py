@@ -77,6 +77,12 @@ class InternalError(StepError):
     retryable = True
 
 
+class BudgetExhausted(StepError):
+    """A model-call, tool-call or token budget is used up; the task ends partial or failed."""
+
+    error_class = ErrorClass.BUDGET_EXHAUSTED
+
+
 class PermanentError(StepError):
     error_class = ErrorClass.PERMANENT
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from tasks import clock, drain, kicks, leases, runner, sweeper
+from tasks import clock, drain, kicks, leases, operations, runner, sweeper
 from tasks.models import Task
 from tasks.statuses import CLAIMABLE
 
@@ -27,6 +27,15 @@ def advance(task_id: int) -> None:
             _watch_held_lease(task_id, now=now)
             return
         runner.run(task, owner=owner)
+
+
+def run_operations(task_id: int) -> None:
+    """A gateway job: run due model and tool calls (of any task; the id is only who asked)."""
+    with drain.job():
+        if drain.draining.is_set():
+            kicks.kick("operations", task_id)
+            return
+        operations.run_due()
 
 
 def _watch_held_lease(task_id: int, *, now) -> None:

@@ -19,6 +19,7 @@ from django_q.signing import SignedPackage
 
 JOBS = {
     "advance": "tasks.jobs.advance",
+    "operations": "tasks.jobs.run_operations",
 }
 
 

@@ -175,11 +175,23 @@ class Operation(models.Model):
     attempts = models.PositiveIntegerField(default=1)
     has_side_effects = models.BooleanField(default=False)
     fencing_token = models.PositiveBigIntegerField()
-    started_at = models.DateTimeField()
+    args = models.JSONField(null=True, blank=True, help_text="What a gateway job executes; None for inline effects.")
+    usage = models.JSONField(default=dict, blank=True)
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["task", "step", "n"]
+        indexes = [
+            # operations.claim_batch: pending operations of a pool, oldest first.
+            models.Index(fields=["kind", "id"], name="operation_pending_idx", condition=Q(status="pending")),
+            # operations.claim_batch and pool counts: operations in flight, by lease expiry.
+            models.Index(fields=["kind", "lease_expires_at"], name="operation_inflight_idx",
+                         condition=Q(status="started", args__isnull=False)),
+        ]
 
     def __str__(self) -> str:
         return self.key

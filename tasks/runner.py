@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
 
-from tasks import clock, kicks, leases, scheduling, transitions
+from tasks import clock, kicks, leases, operations, scheduling, transitions
 from tasks.budgets import Budget, retry_at
 from tasks.context import StepContext
 from tasks.drivers import Continue, Driver, Finish, Outcome, get_driver
 from tasks.errors import (
+    BudgetExhausted,
     CancelRequested,
     InternalError,
     InvalidInput,
@@ -35,6 +36,7 @@ from tasks.models import Checkpoint, Task
 from tasks.statuses import ErrorClass
 
 log = logging.getLogger(__name__)
+DEFER_FOR = timedelta(seconds=60)
 
 
 def run(task: Task, *, owner: str) -> None:
@@ -69,12 +71,16 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
     if reason:
         return _end_for_budget(task, token, driver, reason)
 
+    if task.current_step > 0 and operations.unfinished(task.pk, task.current_step - 1):
+        # Resumed (after a pause, say) while calls of the last step were still out: wait for them.
+        return _wait_again(task, token)
+
     checkpoint = latest_checkpoint(task)
     if checkpoint is not None and checkpoint.schema_version > driver.schema_version:
         # A newer worker wrote this checkpoint; leave the task for a worker that can read it.
         log.warning("task %s: checkpoint schema %s is newer than %s", task.pk, checkpoint.schema_version,
                     driver.schema_version)
-        raise LeaseLost("checkpoint from a newer schema")
+        return _defer(task, token, reason=f"needs a worker that reads checkpoint schema {checkpoint.schema_version}")
     state = checkpoint.state if checkpoint else driver.initial_state(task.input)
 
     ctx = StepContext(task, token=token)
@@ -84,6 +90,8 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
         outcome = driver.step(state, ctx)
     except (CancelRequested, PauseRequested) as stop:
         return _stop_at_safe_point(task, token, stop)
+    except BudgetExhausted as exc:
+        return _end_for_budget(task, token, driver, str(exc))
     except StepError as exc:
         return _after_error(task, token, exc)
     except LeaseLost:
@@ -122,6 +130,12 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             scheduling.admit(fresh.tenant_id, now=now)
             return None
         stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
+        if outcome.requests and not stop_requested:
+            operations.request(fresh, token=token, requests=outcome.requests, now=now)
+            tool = any(r.kind == "tool" for r in outcome.requests)
+            _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=events))
+            kicks.kick("operations", task.pk)
+            return None
         keep = keep_lease or stop_requested
         _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep, events=events))
         if stop_requested:
@@ -131,6 +145,24 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             kicks.kick("advance", task.pk)
             return None
         return fresh
+
+
+def _defer(task: Task, token: int, *, reason: str) -> None:
+    now = clock.now()
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        _won(transitions.defer(fresh, token=token, now=now, until=now + DEFER_FOR, reason=reason))
+    return None
+
+
+def _wait_again(task: Task, token: int) -> None:
+    now = clock.now()
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        tool = operations.waits_on_tool(task.pk, task.current_step - 1)
+        _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=[], step_done=False))
+        kicks.kick("operations", task.pk)
+    return None
 
 
 def _won(won: bool) -> None:

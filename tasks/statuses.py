@@ -40,10 +40,10 @@ class ErrorClass(models.TextChoices):
     INTERNAL = "internal"
 
 
-RETRYABLE_ERRORS = frozenset({ErrorClass.TRANSIENT, ErrorClass.RATE_LIMITED, ErrorClass.TIMEOUT, ErrorClass.INTERNAL})
 
 
 class OperationStatus(models.TextChoices):
+    PENDING = "pending"  # requested by a step, waiting for a gateway job
     STARTED = "started"
     SUCCEEDED = "succeeded"
     FAILED = "failed"

@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from tasks import kicks, transitions
+from tasks import kicks, operations, transitions
 from tasks.events import NewEvent, append
 from tasks.models import AuditEntry, IdempotencyRecord, Task
 from tasks.scheduling import admit, admit_waiting_tenants
@@ -29,6 +29,7 @@ KICK_GRACE = timedelta(seconds=5)
 def run_once(*, now: datetime) -> dict[str, int]:
     parts: dict[str, Callable[[datetime], int]] = {
         "kicked": kick_due,
+        "operations_kicked": kick_operations,
         "queue_timeouts": fail_queue_timeouts,
         "admitted": lambda at: admit_waiting_tenants(now=at),
         "stalled": flag_stalled,
@@ -55,6 +56,14 @@ def kick_due(now: datetime) -> int:
     for task_id in ids:
         kicks.kick("advance", task_id)
     return len(ids)
+
+
+def kick_operations(now: datetime) -> int:
+    """Pending model and tool calls whose gateway kick was lost, or whose gateway job died."""
+    if not operations.due_exists(now):
+        return 0
+    kicks.kick("operations", 0)
+    return 1
 
 
 def fail_queue_timeouts(now: datetime) -> int:

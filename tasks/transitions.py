@@ -125,6 +125,38 @@ def commit_step(
     return _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
 
 
+def wait_for_operations(
+    task: Task, *, token: int, now: datetime, tool: bool, events: list[NewEvent], step_done: bool = True
+) -> bool:
+    """running -> waiting_tool (tool calls) or running waiting for the model: no worker, no lease,
+    not due until a gateway job has finished every requested operation."""
+    fields: dict[str, Any] = {**_released(), "next_run_at": None, "waiting_reason": "tool" if tool else "model",
+                              "attempts": 0}
+    if step_done:
+        fields.update(current_step=task.current_step + 1, last_progress_at=now, stalled_at=None)
+    to = S.WAITING_TOOL if tool else S.RUNNING
+    if tool:
+        events = [*events, NewEvent("waiting_tool", {})]
+    return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+
+
+def operations_done(task: Task, *, now: datetime) -> bool:
+    """waiting_tool/running-for-the-model -> running: the next step is due now."""
+    if task.status == S.RUNNING and task.waiting_reason not in ("model", "tool"):
+        raise InvalidTransition(task.public_id, task.status, "operations_done")
+    events = [NewEvent("tool_results_ready", {})] if task.status == S.WAITING_TOOL else []
+    return _move(task, S.RUNNING, allowed_from={S.WAITING_TOOL, S.RUNNING}, now=now,
+                 guard=NOT_HELD & Q(next_run_at__isnull=True),
+                 fields={"next_run_at": now, "waiting_reason": "", "last_progress_at": now}, events=events)
+
+
+def defer(task: Task, *, token: int, now: datetime, until: datetime, reason: str) -> bool:
+    """running -> running, released and due later, without spending an attempt."""
+    return _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token,
+                 fields={**_released(), "next_run_at": until, "attempts": 0},
+                 events=[NewEvent("deferred", {"reason": reason, "until": until.isoformat()})])
+
+
 def schedule_retry(
     task: Task, *, token: int, now: datetime, run_at: datetime, error_class: str, message: str
 ) -> bool:

@@ -20,9 +20,19 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class OpRequest:
+    """A model or tool call a step wants; a gateway job runs it, and the next step reads its outcome."""
+
+    kind: str  # "model" or "tool"
+    name: str  # the model call's purpose, or the tool's name
+    args: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class Continue:
     state: dict[str, Any]
     events: list[NewEvent] = field(default_factory=list)
+    requests: list[OpRequest] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -56,9 +66,10 @@ class Driver(Protocol):
 
 
 def _registry() -> dict[str, Driver]:
+    from tasks.drivers.research import ResearchDriver
     from tasks.drivers.sleep import SleepDriver
 
-    drivers: list[Driver] = [SleepDriver()]
+    drivers: list[Driver] = [ResearchDriver(), SleepDriver()]
     return {d.kind: d for d in drivers}
 
 

@@ -118,9 +118,12 @@ def test_duplicate_kicks_execute_a_step_once(acme, alice, settings):
     results = in_parallel(*[lambda: jobs.advance(task.pk)] * 3)
     assert all(r is None for r in results), results
     task.refresh_from_db()
-    assert task.current_step == 1
-    assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1]
-    assert SleepEffect.objects.filter(task=task, step=1).count() == 1
+    # A kick that arrives after step 1 committed may run step 2 (it is due); none repeats a step.
+    assert task.current_step in (1, 2)
+    assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == list(
+        range(1, task.current_step + 1))
+    effects = list(SleepEffect.objects.filter(task=task).values_list("step", flat=True))
+    assert sorted(effects) == list(range(1, task.current_step + 1))
 
 
 def test_events_stay_gapless_under_concurrent_writers(acme, alice):
