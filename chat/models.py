@@ -1,4 +1,4 @@
-"""Conversations. A thread belongs to one tenant and one owner."""
+"""Conversations: threads, their messages, and runs of the chat agent."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
+from django.db.models import Q
 
 
 class Thread(models.Model):
@@ -21,4 +22,72 @@ class Thread(models.Model):
         indexes = [models.Index(fields=["tenant", "owner", "-updated_at"], name="thread_owner_recent_idx")]
 
     def __str__(self) -> str:
-        return self.title or str(self.public_id)
+        return self.title or "Untitled thread"
+
+
+class Run(models.Model):
+    """One execution of the chat agent in a thread: a reply to the user, or a task notification."""
+
+    class Kind(models.TextChoices):
+        CHAT = "chat"
+        NOTIFICATION = "notification"
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        RUNNING = "running"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        INTERRUPTED = "interrupted"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="runs")
+    tenant = models.ForeignKey("tasks.Tenant", on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=16, choices=Kind.choices, default=Kind.CHAT)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    # Unique: the last line of defence when two workers start the same run.
+    idempotency_key = models.CharField(max_length=255, null=True, blank=True, unique=True)
+    input = models.JSONField(default=dict)
+    error = models.TextField(blank=True)
+    task = models.ForeignKey("tasks.Task", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    task_version = models.PositiveIntegerField(default=0, help_text="The notification version this run tells.")
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    attempts = models.PositiveIntegerField(default=0)
+    created_at = models.DateTimeField()
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            # One active run per thread: a second one is a conflict, by construction.
+            models.UniqueConstraint(fields=["thread"], name="run_one_active_per_thread",
+                                    condition=Q(status__in=["pending", "running"])),
+        ]
+        indexes = [
+            # chat.runs.claim and the sweeper: runs waiting for a worker.
+            models.Index(fields=["created_at"], name="run_active_idx", condition=Q(status__in=["pending", "running"])),
+        ]
+
+
+class Message(models.Model):
+    class Role(models.TextChoices):
+        USER = "user"
+        ASSISTANT = "assistant"
+        TOOL = "tool"
+
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="messages")
+    role = models.CharField(max_length=16, choices=Role.choices)
+    content = models.TextField()
+    hidden = models.BooleanField(default=False, help_text="Injected turns (task notifications), not shown.")
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.SET_NULL, related_name="messages")
+    data = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["thread", "id"]
+        indexes = [models.Index(fields=["thread", "id"], name="message_thread_order_idx")]
+        constraints = [
+            # One assistant message per run: a run replayed after a crash cannot say it twice.
+            models.UniqueConstraint(fields=["run"], name="message_one_reply_per_run",
+                                    condition=Q(role="assistant")),
+        ]

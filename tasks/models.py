@@ -13,7 +13,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-from tasks.statuses import CLAIMABLE, HOLDS_SLOT, ErrorClass, OperationStatus, TaskStatus
+from tasks.statuses import CLAIMABLE, HOLDS_SLOT, ErrorClass, NotificationStatus, OperationStatus, TaskStatus
 
 
 class Tenant(models.Model):
@@ -101,6 +101,24 @@ class Task(models.Model):
     tool_protocol = models.CharField(max_length=64, blank=True)
 
     last_event_seq = models.PositiveBigIntegerField(default=0)
+
+    # The notification outbox (DESIGN §7): newest event worth telling vs newest told.
+    event_fingerprint = models.CharField(max_length=64, blank=True)
+    event_version = models.PositiveIntegerField(default=0)
+    notified_version = models.PositiveIntegerField(default=0)
+    notification_status = models.CharField(max_length=16, choices=NotificationStatus.choices,
+                                           default=NotificationStatus.NONE)
+    dispatch_version = models.PositiveIntegerField(default=0)
+    dispatch_attempt = models.PositiveIntegerField(default=0)
+    dispatch_event = models.JSONField(null=True, blank=True)
+    notification_run = models.ForeignKey("chat.Run", null=True, blank=True, on_delete=models.SET_NULL,
+                                         related_name="+")
+    notification_error = models.TextField(blank=True)
+    notification_attempt_count = models.PositiveIntegerField(default=0)
+    next_notification_at = models.DateTimeField(null=True, blank=True)
+    notification_lease_owner = models.CharField(max_length=200, blank=True)
+    notification_lease_expires_at = models.DateTimeField(null=True, blank=True)
+
     created_at = models.DateTimeField()
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
@@ -123,6 +141,9 @@ class Task(models.Model):
             # api: a tenant's tasks, newest first.
             models.Index(fields=["tenant", "-created_at"], name="task_tenant_recent_idx"),
             models.Index(fields=["thread", "-created_at"], name="task_thread_recent_idx"),
+            # notifications.claim_due and the sweeper: outbox rows waiting for delivery.
+            models.Index(fields=["next_notification_at"], name="task_notify_due_idx",
+                         condition=Q(notification_status__in=["pending", "retry", "claimed", "dispatched"])),
         ]
 
     def __str__(self) -> str:
@@ -238,3 +259,33 @@ class SleepEffect(models.Model):
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
     step = models.PositiveIntegerField()
     at = models.DateTimeField()
+
+
+class Alert(models.Model):
+    """Something an operator should look at, raised by the runtime; shown in the admin until acknowledged."""
+
+    class Kind(models.TextChoices):
+        DEAD_LETTER = "dead_letter"
+        STALLED = "stalled"
+        POISON = "poison"
+        QUOTA_REJECTIONS = "quota_rejections"
+
+    kind = models.CharField(max_length=32, choices=Kind.choices)
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts")
+    task = models.ForeignKey(Task, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts")
+    message = models.TextField()
+    created_at = models.DateTimeField()
+    acknowledged_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
+    acknowledged_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            # admin index: open alerts, newest first.
+            models.Index(fields=["-created_at"], name="alert_open_idx", condition=Q(acknowledged_at__isnull=True)),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message[:60]}"

@@ -32,7 +32,8 @@ from tasks.errors import (
 )
 from tasks.drain import draining
 from tasks.heartbeat import heartbeat
-from tasks.models import Checkpoint, Task
+from tasks.alerts import raise_alert
+from tasks.models import Alert, Checkpoint, Task
 from tasks.statuses import ErrorClass
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,11 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
     if task.pause_requested_at:
         return _stop_at_safe_point(task, token, PauseRequested())
     if task.attempts > settings.LONGHAUL_MAX_ATTEMPTS:
-        return _end_failed(task, token, ErrorClass.POISON,
-                           f"gave up after {task.attempts - 1} attempts that never finished the step")
+        message = f"gave up after {task.attempts - 1} attempts that never finished the step"
+        _end_failed(task, token, ErrorClass.POISON, message)
+        with transaction.atomic():
+            raise_alert(Alert.Kind.POISON, f"task {task.name!r}: {message}", now=clock.now(), task=task)
+        return None
     try:
         driver = get_driver(task.kind)
     except InvalidInput as exc:

@@ -47,3 +47,13 @@ class OperationStatus(models.TextChoices):
     STARTED = "started"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+
+
+class NotificationStatus(models.TextChoices):
+    NONE = "none"
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    DISPATCHED = "dispatched"
+    RETRY = "retry"
+    DELIVERED = "delivered"
+    DEAD_LETTER = "dead_letter"

@@ -17,7 +17,8 @@ from django.db.models import Q
 
 from tasks import kicks, operations, transitions
 from tasks.events import NewEvent, append
-from tasks.models import AuditEntry, IdempotencyRecord, Task
+from tasks.alerts import raise_alert
+from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
 from tasks.scheduling import admit, admit_waiting_tenants
 from tasks.statuses import CLAIMABLE, ErrorClass, TaskStatus
 
@@ -98,6 +99,8 @@ def flag_stalled(now: datetime) -> int:
             AuditEntry.objects.create(tenant_id=task.tenant_id, actor=None, action="task.stalled",
                                       target_type="task", target_id=str(task.public_id), at=now,
                                       details={"step": task.current_step, "lease_owner": task.lease_owner})
+            raise_alert(Alert.Kind.STALLED, f"task {task.name!r} has not progressed since {since:%Y-%m-%d %H:%M} "
+                        f"though its worker is alive", now=now, task=task)
             count += 1
     return count
 

@@ -1,0 +1,23 @@
+"""Raise operator alerts from the runtime, inside the caller's transaction."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+
+from django.conf import settings
+from django.core.mail import mail_admins
+from django.db import transaction
+
+from tasks.models import Alert, Task
+
+log = logging.getLogger(__name__)
+
+
+def raise_alert(kind: str, message: str, *, now: datetime, task: Task | None = None, tenant_id: int | None = None) -> Alert:
+    alert = Alert.objects.create(kind=kind, message=message, created_at=now, task=task,
+                                 tenant_id=tenant_id if tenant_id is not None else (task.tenant_id if task else None))
+    log.warning("alert %s: %s", kind, message)
+    if getattr(settings, "LONGHAUL_ALERT_EMAIL", False):
+        transaction.on_commit(lambda: mail_admins(f"Longhaul alert: {kind}", message, fail_silently=True))
+    return alert
