@@ -8,10 +8,16 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from django.core.asgi import get_asgi_application  # noqa: E402
+from django.urls import path  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
-websocket_urlpatterns: list = []
+from tasks.consumers import TaskStreamConsumer, ThreadStreamConsumer  # noqa: E402  (needs the apps loaded)
+
+websocket_urlpatterns = [
+    path("ws/tasks/<uuid:task_id>/", TaskStreamConsumer.as_asgi()),
+    path("ws/threads/<uuid:thread_id>/", ThreadStreamConsumer.as_asgi()),
+]
 
 application = ProtocolTypeRouter(
     {

@@ -3,6 +3,7 @@ from django.contrib.auth import views as auth_views
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView
 
+from chat import api as chat_api
 from chat import views as chat_views
 from project import views
 from project.api_me import MeView
@@ -26,4 +27,10 @@ urlpatterns = [
     path("api/tasks/<str:task_id>/cancel", api.TaskCancel.as_view(), name="task-cancel"),
     path("api/tasks/<str:task_id>/pause", api.TaskPause.as_view(), name="task-pause"),
     path("api/tasks/<str:task_id>/resume", api.TaskResume.as_view(), name="task-resume"),
+    path("api/tasks/<str:task_id>/answer", api.TaskAnswer.as_view(), name="task-answer"),
+    path("api/threads", chat_api.ThreadList.as_view(), name="thread-list"),
+    path("api/threads/<str:thread_id>", chat_api.ThreadDetail.as_view(), name="thread-detail"),
+    path("api/threads/<str:thread_id>/messages", chat_api.ThreadMessages.as_view(), name="thread-messages"),
+    path("api/threads/<str:thread_id>/tasks", chat_api.ThreadTasks.as_view(), name="thread-tasks"),
+    path("t/<uuid:thread_id>/", chat_views.thread_page, name="thread"),
 ]

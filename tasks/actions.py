@@ -155,6 +155,24 @@ def resume(task: Task, *, user: Any, budget: Any = None) -> Task:
     return fresh
 
 
+def answer(task: Task, *, user: Any, text: str) -> Task:
+    """Give a task waiting for input its answer; it queues for a slot and goes on."""
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidInput("answer must be non-empty text", field="answer")
+    if len(text) > 10_000:
+        raise InvalidInput("answer must be at most 10000 characters", field="answer")
+    now = clock.now()
+    with transaction.atomic():
+        fresh = Task.objects.select_for_update().get(pk=task.pk)
+        if fresh.status != TaskStatus.WAITING_INPUT:
+            raise Conflict(f"the task is {fresh.status}, not waiting for an answer", code="not_waiting")
+        transitions.answer(fresh, now=now, text=text.strip())
+        _audit(fresh, user, "task.answer", now, {})
+        scheduling.admit(fresh.tenant_id, now=now)
+    fresh.refresh_from_db()
+    return fresh
+
+
 def _act_on_stop_request(task: Task, *, now) -> None:
     """A task nobody holds stops now; a held one stops at its next safe point, and if its
     holder died, the kick at lease expiry lets the next claimer stop it."""

@@ -21,6 +21,7 @@ from project.api_errors import ApiError
 from tasks import actions
 from tasks.models import Membership, Task, Tenant
 from tasks.serializers import (
+    AnswerSerializer,
     CancelSerializer,
     ErrorSerializer,
     EventPageSerializer,
@@ -211,6 +212,16 @@ class TaskPause(APIView):
         body = PauseSerializer(data=request.data)
         body.is_valid(raise_exception=True)
         task = actions.request_pause(task, user=request.user, reason=body.validated_data["reason"])
+        return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
+
+
+class TaskAnswer(APIView):
+    @extend_schema(request=AnswerSerializer, responses={202: TaskSerializer, **ERRORS})
+    def post(self, request: Request, task_id: str) -> Response:
+        task = get_visible_task(request, task_id)
+        body = AnswerSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        task = actions.answer(task, user=request.user, text=body.validated_data["answer"])
         return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
 
 

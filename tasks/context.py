@@ -44,6 +44,11 @@ class StepContext:
         return Budget.of(self.task.budget)
 
     @property
+    def answer(self) -> str:
+        """The owner's answer to the task's last question ("" when none)."""
+        return self.task.answer
+
+    @property
     def retries(self) -> int:
         return self.task.retries
 

@@ -54,10 +54,14 @@ def task_group(public_id: object) -> str:
 
 def wake_subscribers(public_id: object, seq: int) -> None:
     """A hint to stream consumers that events up to `seq` exist; they read them from the database."""
+    wake_group(task_group(public_id), seq=seq)
+
+
+def wake_group(group: str, *, seq: int = 0) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
     try:
-        async_to_sync(layer.group_send)(task_group(public_id), {"type": "task.wakeup", "seq": seq})
+        async_to_sync(layer.group_send)(group, {"type": "task.wakeup", "seq": seq})
     except Exception:  # a lost wake-up delays an event, it never drops one
-        log.warning("wake-up for task %s failed", public_id, exc_info=True)
+        log.warning("wake-up for %s failed", group, exc_info=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from tasks import clock, drain, kicks, leases, operations, runner, sweeper
+from tasks import clock, drain, kicks, leases, notifications, operations, runner, sweeper
 from tasks.models import Task
 from tasks.statuses import CLAIMABLE
 
@@ -36,6 +36,12 @@ def run_operations(task_id: int) -> None:
             kicks.kick("operations", task_id)
             return
         operations.run_due()
+
+
+def deliver(task_id: int) -> None:
+    """Deliver the task's newest notification into its thread (tasks/notifications.py)."""
+    with drain.job():
+        notifications.deliver(task_id)
 
 
 def _watch_held_lease(task_id: int, *, now) -> None:

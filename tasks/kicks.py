@@ -20,6 +20,8 @@ from django_q.signing import SignedPackage
 JOBS = {
     "advance": "tasks.jobs.advance",
     "operations": "tasks.jobs.run_operations",
+    "deliver": "tasks.jobs.deliver",
+    "run": "chat.jobs.run_agent",
 }
 
 

@@ -91,6 +91,9 @@ class Task(models.Model):
     )
     pause_reason = models.CharField(max_length=500, blank=True)
 
+    question = models.TextField(blank=True, help_text="What the task asks its owner while waiting_input.")
+    answer = models.TextField(blank=True, help_text="The owner's answer, read by the next step.")
+
     result = models.JSONField(null=True, blank=True)
     result_version = models.PositiveIntegerField(default=0)
 

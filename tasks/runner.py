@@ -19,7 +19,7 @@ from django.db import transaction
 from tasks import clock, kicks, leases, operations, scheduling, transitions
 from tasks.budgets import Budget, retry_at
 from tasks.context import StepContext
-from tasks.drivers import Continue, Driver, Finish, Outcome, get_driver
+from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, get_driver
 from tasks.errors import (
     BudgetExhausted,
     CancelRequested,
@@ -134,14 +134,19 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             scheduling.admit(fresh.tenant_id, now=now)
             return None
         stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
-        if outcome.requests and not stop_requested:
+        if isinstance(outcome, Ask) and not stop_requested:
+            _won(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events))
+            scheduling.admit(fresh.tenant_id, now=now)
+            return None
+        if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
             operations.request(fresh, token=token, requests=outcome.requests, now=now)
             tool = any(r.kind == "tool" for r in outcome.requests)
             _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=events))
             kicks.kick("operations", task.pk)
             return None
         keep = keep_lease or stop_requested
-        _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep, events=events))
+        _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep and not isinstance(outcome, Ask),
+                                     events=events))
         if stop_requested:
             stop_as_requested(fresh, now=now, token=token)
             return None

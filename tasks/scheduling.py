@@ -2,25 +2,61 @@
 
 Quotas: a tenant holds at most `max_running` slots and keeps at most `max_queued`
 tasks waiting; the system caps both too (LONGHAUL_MAX_RUNNING, LONGHAUL_MAX_QUEUED).
+
+Admission is event driven: whoever frees a slot (a task ends, pauses, waits for
+input) or queues a task calls `admit` in the same transaction, which fills every
+free slot in the system and kicks the tasks it admitted. The sweeper calls it too,
+only as a safety net.
+
+The next task is chosen in this order (DESIGN §5):
+
+1. Tenant share: the tenant holding the fewest slots per unit of `Tenant.weight`
+   (running / weight, counted over slot-holding tasks, not submissions) goes first.
+   A tenant with a thousand queued tasks therefore gets no more slots than one
+   with three beyond what their weights say. Weight 0 means "leftovers only".
+2. Effective priority of that tenant's head of queue, with aging:
+   `priority + floor(seconds waited / LONGHAUL_AGING_SECONDS)` (default 60 s), so
+   every minute of waiting is worth one priority point. With priorities in
+   [-10, 10], a task waits at most about (10 - its priority) * aging seconds behind
+   higher-priority tasks that arrive after it. Waiting is measured from
+   `created_at` (the column task_queued_idx orders by).
+3. Waiting time: the older task, then the lower id.
 """
 
 from __future__ import annotations
 
-from datetime import datetime
+import zlib
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from fractions import Fraction
 
 from django.conf import settings
 from django.db import connection, transaction
+from django.db.models import Count, Exists, F, OuterRef, Subquery
+from django.db.models.functions import Coalesce
 
 from tasks import kicks, transitions
+from tasks.alerts import raise_alert
 from tasks.errors import QuotaExceeded
-from tasks.models import Task, Tenant
+from tasks.models import Alert, AuditEntry, Task, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
 
 QUEUE_FULL_RETRY_AFTER = 30  # seconds a refused client is asked to wait
+DEFAULT_AGING_SECONDS = 60.0
+REJECTED = "task.rejected"  # AuditEntry.action of a refused submission; /metrics counts them
+REJECTION_ALERT_EVERY = timedelta(hours=1)
+_ADMISSION_LOCK = zlib.crc32(b"longhaul-admission")
+_SLOT_STATUSES = sorted(HOLDS_SLOT)
+
+
+# --- backpressure -----------------------------------------------------------------
 
 
 def check_queue_capacity(tenant: Tenant) -> None:
-    """Refuse a submission up front (429) rather than time it out later."""
+    """Refuse a submission up front (429) rather than time it out later.
+
+    A soft cap: two submissions racing for the last place may both get it.
+    """
     queued = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED).count()
     if queued >= tenant.max_queued:
         raise QuotaExceeded(
@@ -31,36 +67,190 @@ def check_queue_capacity(tenant: Tenant) -> None:
         raise QuotaExceeded("the system queue is full", retry_after=QUEUE_FULL_RETRY_AFTER)
 
 
-def admit(tenant_id: int, *, now: datetime) -> list[int]:
-    """Admit as many of the tenant's queued tasks as its free slots allow; kick each."""
-    assert connection.in_atomic_block
-    # The tenant row lock serializes admissions of one tenant, so two admitters
-    # cannot both take its last slot.
-    tenant = Tenant.objects.select_for_update().get(pk=tenant_id)
-    running = Task.objects.filter(tenant_id=tenant_id, status__in=HOLDS_SLOT).count()
-    free = tenant.max_running - running
+def record_rejection(tenant: Tenant, *, user_id: int | None, reason: str, now: datetime) -> None:
+    """Count a refused submission and alert operators, at most once per tenant per hour.
+
+    Call it after the refused submission's transaction rolled back, or it is rolled back too.
+    """
+    with transaction.atomic():
+        AuditEntry.objects.create(tenant=tenant, actor_id=user_id, action=REJECTED, target_type="tenant",
+                                  target_id=tenant.slug, details={"reason": reason[:500]}, at=now)
+        if _rejection_alert_raised(tenant.pk, now=now):
+            return
+        # Double-checked under the tenant row lock, so concurrent refusals raise one alert.
+        Tenant.objects.select_for_update().filter(pk=tenant.pk).first()
+        if _rejection_alert_raised(tenant.pk, now=now):
+            return
+        raise_alert(Alert.Kind.QUOTA_REJECTIONS,
+                    f"tenant {tenant.slug}: submissions are being refused with 429 ({reason[:300]}); "
+                    f"further refusals this hour are counted in /metrics, not alerted",
+                    now=now, tenant_id=tenant.pk)
+
+
+def _rejection_alert_raised(tenant_id: int, *, now: datetime) -> bool:
+    return Alert.objects.filter(kind=Alert.Kind.QUOTA_REJECTIONS, tenant_id=tenant_id,
+                                created_at__gt=now - REJECTION_ALERT_EVERY).exists()
+
+
+# --- admission --------------------------------------------------------------------
+
+
+def aging_seconds() -> float:
+    """Seconds of waiting worth one priority point."""
+    return float(getattr(settings, "LONGHAUL_AGING_SECONDS", DEFAULT_AGING_SECONDS))
+
+
+def effective_priority(priority: int, created_at: datetime, *, now: datetime) -> int:
+    """Priority plus one point per aging period waited: nothing waits forever behind higher priority."""
+    waited = max(0.0, (now - created_at).total_seconds())
+    return priority + int(waited // aging_seconds())
+
+
+@dataclass
+class TenantQueue:
+    """A tenant that has queued tasks and a free slot of its own, as admission sees it."""
+
+    tenant_id: int
+    weight: int
+    max_running: int
+    running: int
+    head: Task | None = None
+    fetched: bool = False
+
+    @property
+    def share(self) -> tuple[bool, Fraction]:
+        """Slots held per unit of weight; weight 0 sorts after every weighted tenant."""
+        return (self.weight == 0, Fraction(self.running, self.weight or 1))
+
+
+def admit(tenant_id: int | None = None, *, now: datetime) -> list[int]:
+    """Fill free running slots system-wide, fairly; kick each admitted task. Returns their ids.
+
+    `tenant_id` (the tenant whose task freed a slot or was queued) is only a hint and
+    is not used: any tenant may get the slot. Call inside the transaction that freed
+    the slot or queued the task.
+    """
+    assert connection.in_atomic_block, "admission commits with the change that freed the slot"
+    _serialize_admission()
+    free = settings.LONGHAUL_MAX_RUNNING - Task.objects.filter(status__in=_SLOT_STATUSES).count()
     if free <= 0:
         return []
-    system_free = settings.LONGHAUL_MAX_RUNNING - Task.objects.filter(status__in=HOLDS_SLOT).count()
-    free = min(free, system_free)
-    if free <= 0:
-        return []
-    candidates = list(
-        Task.objects.filter(tenant_id=tenant_id, status=TaskStatus.QUEUED).order_by("-priority", "created_at")[:free]
-    )
-    admitted = []
-    for task in candidates:
-        if transitions.admit(task, now=now):
-            kicks.kick("advance", task.pk)
-            admitted.append(task.pk)
+    queues = waiting_tenants()
+    admitted: list[int] = []
+    while free > 0:
+        queue = _next_queue(queues, now=now)
+        if queue is None:
+            break
+        task, queue.head, queue.fetched = queue.head, None, False
+        assert task is not None
+        if not transitions.admit(task, now=now):
+            # Cannot happen under our row lock; if it does, leave the tenant to the next admission.
+            queues.remove(queue)
+            continue
+        kicks.kick("advance", task.pk)
+        admitted.append(task.pk)
+        queue.running += 1
+        free -= 1
+        if queue.running >= queue.max_running:
+            queues.remove(queue)
     return admitted
 
 
 def admit_waiting_tenants(*, now: datetime) -> int:
-    """The sweeper's safety net: admission for every tenant with queued tasks."""
-    tenant_ids = Task.objects.filter(status=TaskStatus.QUEUED).values_list("tenant_id", flat=True).distinct()
-    count = 0
-    for tenant_id in list(tenant_ids):
-        with transaction.atomic():
-            count += len(admit(tenant_id, now=now))
-    return count
+    """The sweeper's safety net: one system-wide admission."""
+    with transaction.atomic():
+        return len(admit(now=now))
+
+
+def _serialize_admission() -> None:
+    """One admitter at a time, until its transaction ends, so no cap is exceeded by a race.
+
+    On PostgreSQL a transaction-scoped advisory lock; on SQLite the IMMEDIATE
+    transaction already holds the database's write lock.
+    """
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [_ADMISSION_LOCK])
+
+
+def waiting_tenants() -> list[TenantQueue]:
+    """Tenants with queued tasks and a free slot of their own, with the slots they hold.
+
+    One index probe per tenant into task_queued_idx (queued?) and task_slot_idx (held).
+    """
+    held = (
+        Task.objects.filter(tenant=OuterRef("pk"), status__in=_SLOT_STATUSES)
+        .order_by().values("tenant").annotate(n=Count("pk")).values("n")
+    )
+    rows = (
+        Tenant.objects.filter(Exists(Task.objects.filter(tenant=OuterRef("pk"), status=TaskStatus.QUEUED)))
+        .annotate(running=Coalesce(Subquery(held), 0))
+        .filter(running__lt=F("max_running"))
+        .order_by("pk")
+        .values_list("pk", "weight", "max_running", "running")
+    )
+    return [TenantQueue(tenant_id=pk, weight=w, max_running=m, running=r) for pk, w, m, r in rows]
+
+
+def _next_queue(queues: list[TenantQueue], *, now: datetime) -> TenantQueue | None:
+    """The tenant furthest below its share, ties broken by its head's effective priority, then age.
+
+    Heads are fetched lazily, only for tenants tied at the lowest share.
+    """
+    while queues:
+        lowest = min(q.share for q in queues)
+        tied = [q for q in queues if q.share == lowest]
+        for queue in tied:
+            if not queue.fetched:
+                queue.head, queue.fetched = head_of_queue(queue.tenant_id, now=now), True
+            if queue.head is None:
+                queues.remove(queue)  # emptied meanwhile, or its rows are locked by a canceller
+        ready = [q for q in tied if q.head is not None]
+        if ready:
+            return min(ready, key=lambda q: _rank(q.head, now=now))  # type: ignore[arg-type]
+    return None
+
+
+def _rank(task: Task, *, now: datetime) -> tuple[int, datetime, int]:
+    """Sort key: highest effective priority first, then the oldest, then the lowest id."""
+    return (-effective_priority(task.priority, task.created_at, now=now), task.created_at, task.pk)
+
+
+def head_of_queue(tenant_id: int, *, now: datetime) -> Task | None:
+    """The tenant's queued task with the highest effective priority, locked for admission.
+
+    Aging never reorders tasks of one priority (the older is always ahead), so the
+    head is the oldest task of one of the priority levels present. Those are found
+    with a loose index scan over task_queued_idx (one probe per level present, at
+    most 21 with the API's priority range), without reading the rest of the queue.
+    Rows locked by someone else (a cancel in flight) are skipped, not waited for:
+    waiting here, under the admission lock, could deadlock with that transaction.
+    """
+    ids = _level_head_ids(tenant_id)
+    if not ids:
+        return None
+    heads = list(Task.objects.select_for_update(skip_locked=True).filter(pk__in=ids, status=TaskStatus.QUEUED))
+    return min(heads, key=lambda t: _rank(t, now=now)) if heads else None
+
+
+def _level_head_ids(tenant_id: int) -> list[int]:
+    """Ids of the oldest queued task at each priority level of the tenant (a recursive CTE)."""
+    table = connection.ops.quote_name(Task._meta.db_table)
+    # 'queued' is written as a literal so the planner can match task_queued_idx's predicate.
+    queued = f"status = '{TaskStatus.QUEUED.value}'"
+    sql = f"""
+        WITH RECURSIVE levels(priority) AS (
+            SELECT MAX(priority) FROM {table} WHERE tenant_id = %s AND {queued}
+            UNION ALL
+            SELECT (SELECT MAX(q.priority) FROM {table} q
+                    WHERE q.tenant_id = %s AND q.{queued} AND q.priority < levels.priority)
+            FROM levels WHERE levels.priority IS NOT NULL
+        )
+        SELECT (SELECT q.id FROM {table} q
+                WHERE q.tenant_id = %s AND q.{queued} AND q.priority = levels.priority
+                ORDER BY q.created_at, q.id LIMIT 1)
+        FROM levels WHERE levels.priority IS NOT NULL
+    """
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [tenant_id, tenant_id, tenant_id])
+        return [row[0] for row in cursor.fetchall() if row[0] is not None]

@@ -20,7 +20,7 @@ class TaskSerializer(serializers.ModelSerializer):
     class Meta:
         model = Task
         fields = [
-            "id", "kind", "name", "status", "priority", "thread", "input", "budget",
+            "id", "kind", "name", "status", "priority", "thread", "input", "budget", "question",
             "error_class", "error_message", "current_step", "waiting_reason", "retries",
             "cancel_requested", "pause_requested", "is_terminal", "result_version", "last_event_seq",
             "created_at", "started_at", "finished_at", "updated_at",
@@ -80,6 +80,10 @@ class CancelSerializer(serializers.Serializer):
 
 class PauseSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=500, required=False, allow_blank=True, default="")
+
+
+class AnswerSerializer(serializers.Serializer):
+    answer = serializers.CharField(max_length=10_000)
 
 
 class ResumeSerializer(serializers.Serializer):

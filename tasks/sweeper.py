@@ -15,7 +15,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from tasks import kicks, operations, transitions
+from tasks import kicks, notifications, operations, transitions
 from tasks.events import NewEvent, append
 from tasks.alerts import raise_alert
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
@@ -31,6 +31,7 @@ def run_once(*, now: datetime) -> dict[str, int]:
     parts: dict[str, Callable[[datetime], int]] = {
         "kicked": kick_due,
         "operations_kicked": kick_operations,
+        "notifications_kicked": lambda at: notifications.kick_due(at, limit=settings.LONGHAUL_SWEEP_BATCH),
         "queue_timeouts": fail_queue_timeouts,
         "admitted": lambda at: admit_waiting_tenants(now=at),
         "stalled": flag_stalled,

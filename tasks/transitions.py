@@ -20,6 +20,9 @@ from tasks.events import NewEvent, append
 from tasks.models import Task
 from tasks.statuses import ACTIVE, CLAIMABLE, TERMINAL, TaskStatus
 
+TOLD = frozenset({TaskStatus.WAITING_INPUT, TaskStatus.PARTIAL, TaskStatus.SUCCEEDED, TaskStatus.FAILED,
+                  TaskStatus.CANCELLED})
+
 S = TaskStatus
 NOT_HELD = Q(lease_owner="")
 
@@ -55,6 +58,10 @@ def _move(
     for name, value in values.items():
         setattr(task, name, value)
     append(task, events, status=to, at=now)
+    if to in TOLD:
+        from tasks import notifications  # imported here: notifications builds on leases, which builds on us
+
+        notifications.note(task, event=to, now=now)
     return True
 
 
@@ -138,6 +145,24 @@ def wait_for_operations(
     if tool:
         events = [*events, NewEvent("waiting_tool", {})]
     return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+
+
+def wait_input(task: Task, *, token: int, now: datetime, question: str, events: list[NewEvent]) -> bool:
+    """running -> waiting_input: the task asks its owner; it holds no slot until answered."""
+    return _move(
+        task, S.WAITING_INPUT, allowed_from={S.RUNNING}, now=now, token=token,
+        fields={**_released(), "next_run_at": None, "question": question[:4000], "answer": "",
+                "current_step": task.current_step + 1, "last_progress_at": now, "attempts": 0,
+                "waiting_reason": "input"},
+        events=[*events, NewEvent("input_required", {"question": question[:4000]})],
+    )
+
+
+def answer(task: Task, *, now: datetime, text: str) -> bool:
+    """waiting_input -> queued with the owner's answer; admission gives it a slot again."""
+    return _move(task, S.QUEUED, allowed_from={S.WAITING_INPUT}, now=now,
+                 fields={"answer": text[:10000], "waiting_reason": "", "next_run_at": None},
+                 events=[NewEvent("input_received", {})])
 
 
 def operations_done(task: Task, *, now: datetime) -> bool:

@@ -42,7 +42,16 @@ class Finish:
     events: list[NewEvent] = field(default_factory=list)
 
 
-Outcome = Continue | Finish
+@dataclass(frozen=True)
+class Ask:
+    """Stop and ask the task's owner; the next step runs once they answer (ctx.answer)."""
+
+    state: dict[str, Any]
+    question: str
+    events: list[NewEvent] = field(default_factory=list)
+
+
+Outcome = Continue | Finish | Ask
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from django.db import transaction
 
 from tasks import clock
 from tasks.context import StepContext
-from tasks.drivers import Continue, Finish, Outcome, PartialResult
+from tasks.drivers import Ask, Continue, Finish, Outcome, PartialResult
 from tasks.errors import InvalidInput, PermanentError, TransientError
 from tasks.models import SleepEffect
 
@@ -43,7 +43,8 @@ class SleepDriver:
     def validate_input(self, raw: Any) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise InvalidInput("input must be an object", field="input")
-        known = {"steps", "step_seconds", "fail_at_step", "fail_kind", "fail_times", "side_effect"}
+        known = {"steps", "step_seconds", "fail_at_step", "fail_kind", "fail_times", "side_effect", "ask_at_step",
+                 "question"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidInput(f"input has unknown fields: {', '.join(unknown)}", field=f"input.{unknown[0]}")
@@ -58,7 +59,12 @@ class SleepDriver:
         side_effect = raw.get("side_effect", False)
         if not isinstance(side_effect, bool):
             raise InvalidInput("input.side_effect must be true or false", field="input.side_effect")
+        question = raw.get("question", "Should I go on?")
+        if not isinstance(question, str) or not 1 <= len(question) <= 1000:
+            raise InvalidInput("input.question must be text of 1 to 1000 characters", field="input.question")
         return {
+            "ask_at_step": _int(raw, "ask_at_step", None, 1, 100_000),
+            "question": question,
             "steps": steps,
             "step_seconds": seconds,
             "fail_at_step": fail_at,
@@ -73,6 +79,10 @@ class SleepDriver:
     def step(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
         spec = ctx.input
         number = state["done"] + 1
+        if spec.get("ask_at_step") == number and "answer" not in state:
+            if not ctx.answer:
+                return Ask(state, spec["question"])
+            state = {**state, "answer": ctx.answer}
         if spec.get("fail_at_step") == number:
             self._fail(spec, ctx)
         self._sleep(float(spec["step_seconds"]), ctx)
@@ -87,7 +97,10 @@ class SleepDriver:
         ctx.emit("step_done", step=number, of=state["of"])
         new_state = {**state, "done": number}
         if number >= state["of"]:
-            return Finish(new_state, {"steps": number, "summary": f"Slept through {number} steps."})
+            summary = f"Slept through {number} steps."
+            if "answer" in state:
+                summary += f" You answered: {state['answer']}"
+            return Finish(new_state, {"steps": number, "summary": summary})
         return Continue(new_state)
 
     def partial_result(self, state: dict[str, Any]) -> PartialResult | None:

@@ -1,0 +1,132 @@
+"""The thread REST API. Thin: parse, authorize, call chat.runs or tasks.actions."""
+
+from __future__ import annotations
+
+import uuid
+
+from django.db.models import OuterRef, QuerySet, Subquery
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from chat import runs
+from chat.models import Message, Run, Thread
+from chat.serializers import (
+    MessageSerializer,
+    PanelTaskSerializer,
+    PostMessageSerializer,
+    RunSerializer,
+    ThreadSerializer,
+    ThreadWriteSerializer,
+)
+from project.api_errors import ApiError
+from tasks.api import ERRORS, IDEMPOTENCY_KEY, _int_param, request_tenant
+from tasks.models import Task, TaskEvent
+from tasks.statuses import TERMINAL
+
+PHASES = ("admitted", "planning", "searching", "source_read", "evidence_added", "drafting", "waiting_tool",
+          "retry_scheduled", "input_required", "step_done", "recovered", "paused", "cancel_requested")
+
+
+def owned_threads(request: Request) -> QuerySet[Thread]:
+    return Thread.objects.filter(tenant=request_tenant(request), owner=request.user, deleted=False)
+
+
+def get_thread(request: Request, thread_id: str) -> Thread:
+    try:
+        public_id = uuid.UUID(thread_id)
+    except ValueError:
+        raise ApiError("no such thread", code="not_found", status_code=404) from None
+    thread = owned_threads(request).filter(public_id=public_id).first()
+    if thread is None:
+        raise ApiError("no such thread", code="not_found", status_code=404)
+    return thread
+
+
+def panel_tasks(thread: Thread) -> list[Task]:
+    """The thread's tasks for the panel: active first, then recent; with each one's latest phase."""
+    latest_phase = TaskEvent.objects.filter(task=OuterRef("pk"), kind__in=PHASES).order_by("-seq").values("kind")[:1]
+    tasks = list(Task.objects.filter(thread=thread).annotate(latest_phase=Subquery(latest_phase))
+                 .order_by("-created_at")[:50])
+    tasks.sort(key=lambda t: (t.status in TERMINAL, -t.created_at.timestamp()))
+    return tasks
+
+
+class ThreadList(APIView):
+    @extend_schema(responses={200: ThreadSerializer(many=True)})
+    def get(self, request: Request) -> Response:
+        threads = owned_threads(request).order_by("-updated_at")[:200]
+        return Response({"results": ThreadSerializer(threads, many=True).data})
+
+    @extend_schema(request=ThreadWriteSerializer, responses={201: ThreadSerializer, **ERRORS})
+    def post(self, request: Request) -> Response:
+        body = ThreadWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        thread = Thread.objects.create(tenant=request_tenant(request), owner=request.user,
+                                       title=body.validated_data["title"].strip())
+        return Response(ThreadSerializer(thread).data, status=status.HTTP_201_CREATED)
+
+
+class ThreadDetail(APIView):
+    @extend_schema(responses={200: ThreadSerializer, 404: ERRORS[404]})
+    def get(self, request: Request, thread_id: str) -> Response:
+        return Response(ThreadSerializer(get_thread(request, thread_id)).data)
+
+    @extend_schema(request=ThreadWriteSerializer, responses={200: ThreadSerializer, **ERRORS})
+    def patch(self, request: Request, thread_id: str) -> Response:
+        thread = get_thread(request, thread_id)
+        body = ThreadWriteSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        thread.title = body.validated_data["title"].strip()
+        thread.save(update_fields=["title", "updated_at"])
+        return Response(ThreadSerializer(thread).data)
+
+    @extend_schema(responses={204: None, 404: ERRORS[404]})
+    def delete(self, request: Request, thread_id: str) -> Response:
+        thread = get_thread(request, thread_id)
+        # Marked, not removed: its tasks keep running, and are no longer told in chat.
+        Thread.objects.filter(pk=thread.pk).update(deleted=True)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class ThreadMessages(APIView):
+    @extend_schema(parameters=[OpenApiParameter("after", int), OpenApiParameter("limit", int)],
+                   responses={200: MessageSerializer(many=True), 404: ERRORS[404]})
+    def get(self, request: Request, thread_id: str) -> Response:
+        thread = get_thread(request, thread_id)
+        after = _int_param(request, "after", 0, low=0, high=2**62)
+        limit = _int_param(request, "limit", 100, low=1, high=500)
+        messages = list(Message.objects.filter(thread=thread, hidden=False, id__gt=after)
+                        .select_related("run").order_by("id")[:limit])
+        busy = Run.objects.filter(thread=thread, status__in=runs.ACTIVE).exists()
+        return Response({"results": MessageSerializer(messages, many=True).data,
+                         "next_after": messages[-1].id if messages else after, "busy": busy})
+
+    @extend_schema(request=PostMessageSerializer,
+                   parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)],
+                   responses={202: RunSerializer, **ERRORS})
+    def post(self, request: Request, thread_id: str) -> Response:
+        thread = get_thread(request, thread_id)
+        body = PostMessageSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        key = request.headers.get("Idempotency-Key")
+        if key is not None and not IDEMPOTENCY_KEY.match(key):
+            raise ApiError("Idempotency-Key must be 1 to 255 printable ASCII characters without spaces",
+                           code="invalid_input", field="Idempotency-Key")
+        scoped_key = f"chat:{request.user.pk}:{key}" if key else None
+        run, created = runs.start_run(thread, kind=Run.Kind.CHAT, user_text=body.validated_data["content"],
+                                      hidden=False, key=scoped_key)
+        if not thread.title:
+            Thread.objects.filter(pk=thread.pk, title="").update(title=body.validated_data["content"][:60])
+        return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK)
+
+
+class ThreadTasks(APIView):
+    @extend_schema(responses={200: PanelTaskSerializer(many=True), 404: ERRORS[404]})
+    def get(self, request: Request, thread_id: str) -> Response:
+        thread = get_thread(request, thread_id)
+        tasks = panel_tasks(thread)
+        return Response({"results": PanelTaskSerializer(tasks, many=True).data,
+                         "active": sum(t.status not in TERMINAL for t in tasks)})

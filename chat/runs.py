@@ -1,0 +1,122 @@
+"""Runs of the chat agent: one at a time per thread, each at most once per idempotency key."""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+
+from chat.models import Message, Run, Thread
+from tasks import clock, kicks
+from tasks.errors import Conflict
+
+log = logging.getLogger(__name__)
+ACTIVE = (Run.Status.PENDING, Run.Status.RUNNING)
+
+
+class ThreadGoneError(Conflict):
+    def __init__(self) -> None:
+        super().__init__("the thread was deleted", code="thread_gone")
+
+
+def start_run(thread: Thread, *, kind: str, user_text: str, hidden: bool, key: str | None,
+              task_id: int | None = None, task_version: int = 0, data: dict[str, Any] | None = None) -> tuple[Run, bool]:
+    """Store the user turn and a pending run, and kick a worker. (run, created).
+
+    Strategy `reject`: a busy thread raises Conflict(code="thread_busy"). A known key
+    returns its run; the unique key index settles a race between two starters.
+    """
+    if key:
+        existing = Run.objects.filter(idempotency_key=key).first()
+        if existing is not None:
+            return existing, False
+    now = clock.now()
+    try:
+        with transaction.atomic():
+            fresh = Thread.objects.select_for_update().get(pk=thread.pk)
+            if fresh.deleted:
+                raise ThreadGoneError()
+            if Run.objects.filter(thread=fresh, status__in=ACTIVE).exists():
+                raise Conflict("the assistant is still answering in this thread", code="thread_busy")
+            run = Run.objects.create(thread=fresh, tenant_id=fresh.tenant_id, kind=kind, idempotency_key=key,
+                                     input={"text": user_text}, task_id=task_id, task_version=task_version,
+                                     created_at=now)
+            Message.objects.create(thread=fresh, role=Message.Role.USER, content=user_text, hidden=hidden, run=run,
+                                   data=data or {}, created_at=now)
+            Thread.objects.filter(pk=fresh.pk).update(updated_at=now)
+            kicks.kick("run", run.pk)
+    except IntegrityError:
+        if key and (existing := Run.objects.filter(idempotency_key=key).first()) is not None:
+            return existing, False
+        # The one-active-run constraint caught a concurrent starter.
+        raise Conflict("the assistant is still answering in this thread", code="thread_busy") from None
+    _wake_thread(thread)
+    return run, True
+
+
+def claim(run_id: int, *, owner: str, now: datetime) -> Run | None:
+    """pending (or running with an expired lease) -> running, leased to this worker."""
+    lease = now + timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS * 4)
+    due = Q(status=Run.Status.PENDING) | Q(status=Run.Status.RUNNING, lease_expires_at__lt=now)
+    with transaction.atomic():
+        run = Run.objects.select_for_update(skip_locked=True).filter(due, pk=run_id).first()
+        if run is None:
+            return None
+        Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING, lease_owner=owner, lease_expires_at=lease,
+                                             attempts=run.attempts + 1, started_at=run.started_at or now)
+        run.refresh_from_db()
+        return run
+
+
+def complete(run: Run, *, owner: str, reply: str, data: dict[str, Any], now: datetime) -> bool:
+    """Store the one assistant message of the run and end it; tell the outbox if it was a notification."""
+    from tasks import notifications
+
+    with transaction.atomic():
+        if not Run.objects.filter(pk=run.pk, status=Run.Status.RUNNING, lease_owner=owner).update(
+                status=Run.Status.SUCCEEDED, finished_at=now, lease_owner="", lease_expires_at=None):
+            return False
+        Message.objects.create(thread_id=run.thread_id, role=Message.Role.ASSISTANT, content=reply, run=run,
+                               data=data, created_at=now)
+        Thread.objects.filter(pk=run.thread_id).update(updated_at=now)
+        if run.kind == Run.Kind.NOTIFICATION and run.task_id:
+            notifications.run_finished(run.task_id, run.task_version, now=now)
+        transaction.on_commit(lambda: notifications.kick_pending_in_thread(run.thread_id))
+    _wake_thread(run.thread)
+    return True
+
+
+def fail(run: Run, *, owner: str, error: str, now: datetime) -> None:
+    from tasks import notifications
+
+    with transaction.atomic():
+        if Run.objects.filter(pk=run.pk, status=Run.Status.RUNNING, lease_owner=owner).update(
+                status=Run.Status.FAILED, error=error[:2000], finished_at=now, lease_owner="", lease_expires_at=None):
+            if run.kind == Run.Kind.NOTIFICATION and run.task_id:
+                notifications.run_failed(run.task_id, run.task_version, error=error, now=now)
+            else:
+                Message.objects.create(thread_id=run.thread_id, role=Message.Role.ASSISTANT, run=run,
+                                       created_at=now, data={"error": True},
+                                       content="Sorry, something went wrong while answering. Please try again.")
+            transaction.on_commit(lambda: notifications.kick_pending_in_thread(run.thread_id))
+    _wake_thread(run.thread)
+
+
+def kick_stale(now: datetime) -> int:
+    """For the sweeper: runs whose worker died (lease expired) or whose kick was lost."""
+    stale = Run.objects.filter(Q(status=Run.Status.RUNNING, lease_expires_at__lt=now)
+                               | Q(status=Run.Status.PENDING, created_at__lt=now - timedelta(seconds=10)))
+    ids = list(stale.values_list("pk", flat=True)[:500])
+    for run_id in ids:
+        kicks.kick("run", run_id)
+    return len(ids)
+
+
+def _wake_thread(thread: Thread) -> None:
+    from tasks.events import wake_group
+
+    transaction.on_commit(lambda: wake_group(f"thread-{thread.public_id}"))

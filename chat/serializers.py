@@ -1,0 +1,83 @@
+"""Public shapes of the chat API: whitelists."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from chat.models import Message, Run, Thread
+from tasks.models import Task
+from tasks.statuses import NotificationStatus, TERMINAL
+
+
+class ThreadSerializer(serializers.ModelSerializer):
+    id = serializers.UUIDField(source="public_id", read_only=True)
+
+    class Meta:
+        model = Thread
+        fields = ["id", "title", "created_at", "updated_at"]
+        read_only_fields = ["id", "created_at", "updated_at"]
+
+
+class ThreadWriteSerializer(serializers.Serializer):
+    title = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+
+
+class MessageSerializer(serializers.ModelSerializer):
+    run = serializers.SerializerMethodField()
+    task = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Message
+        fields = ["id", "role", "content", "run", "task", "created_at"]
+        read_only_fields = fields
+
+    def get_run(self, message: Message) -> str | None:
+        return str(message.run.public_id) if message.run_id else None
+
+    def get_task(self, message: Message) -> str | None:
+        """The task a notification or a start refers to (public id), for linking in the page."""
+        data = message.data or {}
+        return data.get("task") or data.get("started")
+
+
+class PostMessageSerializer(serializers.Serializer):
+    content = serializers.CharField(max_length=8000, trim_whitespace=True)
+
+
+class RunSerializer(serializers.ModelSerializer):
+    id = serializers.UUIDField(source="public_id", read_only=True)
+
+    class Meta:
+        model = Run
+        fields = ["id", "kind", "status", "created_at", "started_at", "finished_at"]
+        read_only_fields = fields
+
+
+class PanelTaskSerializer(serializers.ModelSerializer):
+    """One row of the thread's task panel."""
+
+    id = serializers.UUIDField(source="public_id", read_only=True)
+    is_terminal = serializers.SerializerMethodField()
+    phase = serializers.SerializerMethodField()
+    notification = serializers.SerializerMethodField()
+    cancel_requested = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Task
+        fields = ["id", "name", "kind", "status", "is_terminal", "phase", "question", "error_class", "error_message",
+                  "cancel_requested", "result_version", "notification", "created_at", "started_at", "finished_at",
+                  "updated_at", "last_event_seq"]
+        read_only_fields = fields
+
+    def get_is_terminal(self, task: Task) -> bool:
+        return task.status in TERMINAL
+
+    def get_phase(self, task: Task) -> str:
+        return getattr(task, "latest_phase", "") or ""
+
+    def get_cancel_requested(self, task: Task) -> bool:
+        return task.cancel_requested_at is not None
+
+    def get_notification(self, task: Task) -> str | None:
+        troubled = (NotificationStatus.RETRY, NotificationStatus.DEAD_LETTER)
+        return task.notification_status if task.notification_status in troubled else None

@@ -1,0 +1,123 @@
+"""The chat agent's built-in tools. Names, never ids: the model and the user refer to tasks by name."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from django.conf import settings
+
+from chat.models import Run, Thread
+from tasks import actions
+from tasks.errors import Conflict, InvalidInput, QuotaExceeded
+from tasks.gateway.untrusted import neutralize_name
+from tasks.models import Task
+from tasks.statuses import TERMINAL, TaskStatus
+
+PROJECTION_LIMIT = 20
+PREVIEW_CHARS = 200
+FILLER = frozenset("the a an my this that task tasks research background job please".split())
+
+
+@dataclass(frozen=True)
+class ToolReply:
+    """What a tool tells the agent, and what the thread's message data may record."""
+
+    text: str
+    data: dict[str, Any]
+
+
+def thread_tasks(thread: Thread) -> list[Task]:
+    """The thread's tasks, active first, newest first; at most PROJECTION_LIMIT."""
+    tasks = list(Task.objects.filter(thread=thread).order_by("-created_at")[:100])
+    tasks.sort(key=lambda t: (t.status in TERMINAL, -t.created_at.timestamp()))
+    return tasks[:PROJECTION_LIMIT]
+
+
+def project(task: Task) -> dict[str, Any]:
+    """The whitelisted view of a task given to the agent."""
+    result = task.result if isinstance(task.result, dict) else {}
+    preview = str(result.get("summary") or result.get("report") or "")[:PREVIEW_CHARS]
+    view = {"name": neutralize_name(task.name), "kind": task.kind, "status": task.status,
+            "created": task.created_at.isoformat(timespec="seconds"),
+            "updated": task.updated_at.isoformat(timespec="seconds")}
+    if preview:
+        view["result_preview"] = preview
+    if task.status == TaskStatus.WAITING_INPUT:
+        view["question"] = task.question[:500]
+    return view
+
+
+def _tokens(text: str) -> list[str]:
+    return [w for w in re.findall(r"[\w.]+", text.lower()) if w not in FILLER]
+
+
+def find_task(thread: Thread, name: str, *, active_only: bool) -> Task | str:
+    """The one task a name refers to, or a message listing the candidates by name."""
+    tasks = [t for t in thread_tasks(thread) if not active_only or t.status not in TERMINAL]
+    if not tasks:
+        return "There are no active background tasks in this conversation." if active_only else \
+            "There are no background tasks in this conversation."
+    wanted = name.strip().lower()
+    exact = [t for t in tasks if t.name.lower() == wanted]
+    if len(exact) == 1:
+        return exact[0]
+    words = _tokens(name)
+    matches = [t for t in tasks if words and all(w in t.name.lower() for w in words)] if words else []
+    if len(matches) == 1:
+        return matches[0]
+    names = ", ".join(f"“{neutralize_name(t.name)}”" for t in (matches or tasks)[:10])
+    if matches:
+        return f"More than one task matches “{neutralize_name(name)}”: {names}. Which one do you mean?"
+    return f"No task matches “{neutralize_name(name)}”. The tasks here are: {names}."
+
+
+def start_background_task(run: Run, *, kind: str, name: str, input: dict[str, Any], n: int = 0) -> ToolReply:
+    thread = run.thread
+    try:
+        task, created = actions.submit(
+            tenant=thread.tenant, user=thread.owner,
+            submission=actions.Submission(kind=kind, input=input, name=name, thread_id=thread.pk,
+                                          # A run replayed after a crash submits the same task, not a second one.
+                                          idempotency_key=f"run:{run.public_id}:{n}"),
+        )
+    except (InvalidInput, QuotaExceeded, Conflict) as exc:
+        return ToolReply(f"Could not start the task: {exc}", {"error": True})
+    return ToolReply(f"Started “{neutralize_name(task.name)}” in the background ({task.status}).",
+                     {"started": str(task.public_id), "created": created})
+
+
+def list_background_tasks(run: Run) -> ToolReply:
+    views = [project(t) for t in thread_tasks(run.thread)]
+    return ToolReply(str(views), {"tasks": len(views)})
+
+
+def cancel_background_task(run: Run, *, name: str) -> ToolReply:
+    found = find_task(run.thread, name, active_only=True)
+    if isinstance(found, str):
+        return ToolReply(found, {"ambiguous": True})
+    task = actions.request_cancel(found, user=run.thread.owner, reason="asked in chat")
+    state = "cancelled" if task.status == TaskStatus.CANCELLED else "being cancelled"
+    return ToolReply(f"“{neutralize_name(task.name)}” is {state}.", {"cancelled": str(task.public_id)})
+
+
+def answer_background_task(run: Run, *, name: str, answer: str) -> ToolReply:
+    waiting = [t for t in thread_tasks(run.thread) if t.status == TaskStatus.WAITING_INPUT]
+    found: Task | str
+    if not name.strip() and len(waiting) == 1:
+        found = waiting[0]
+    else:
+        found = find_task(run.thread, name, active_only=True)
+    if isinstance(found, str):
+        return ToolReply(found, {"ambiguous": True})
+    try:
+        task = actions.answer(found, user=run.thread.owner, text=answer)
+    except (Conflict, InvalidInput) as exc:
+        return ToolReply(str(exc), {"error": True})
+    return ToolReply(f"Passed your answer to “{neutralize_name(task.name)}”; it goes on.",
+                     {"answered": str(task.public_id)})
+
+
+def debug_kinds_enabled() -> bool:
+    return bool(settings.LONGHAUL_DEBUG_DRIVERS)

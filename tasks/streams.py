@@ -1,0 +1,291 @@
+"""Event streams: what a stream reads after a cursor, and the follower that sends it on.
+
+A stream is a subject (a task, a chat thread) whose items have an ascending cursor
+`seq`. The database is the only source of items; the channel layer carries wake-ups
+and nothing else, so a lost wake-up delays an item and never drops or reorders one.
+The consumers in tasks/consumers.py authorize, open a stream and run a Follower.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, Protocol
+
+from django.apps import apps
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from channels.layers import BaseChannelLayer, InMemoryChannelLayer
+
+from project.env import envfloat
+from tasks.events import task_group
+from tasks.models import Membership, Task, TaskEvent
+from tasks.serializers import EventSerializer
+from tasks.statuses import TERMINAL
+from tasks.tenancy import tenant_for
+
+Message = dict[str, Any]
+
+# Items per database read: a follower never holds more than this in memory.
+BATCH_SIZE = 200
+# Full batches sent in a row without catching up before the client is told to reconnect (4429).
+MAX_BATCHES_BEHIND = 10
+
+
+class CloseCode(IntEnum):
+    """WebSocket close codes of the stream protocol (4000-4999 are the application's)."""
+
+    BAD_REQUEST = 4400
+    UNAUTHENTICATED = 4401
+    NOT_FOUND = 4404
+    # "Reconnect with your last seq": the client fell too far behind; it loses nothing.
+    TOO_FAR_BEHIND = 4429
+    INTERNAL_ERROR = 1011
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Items read after a cursor, in order, and the end message if the subject ended with them."""
+
+    items: list[Message]
+    end: Message | None = None
+
+
+class Stream(Protocol):
+    """An opened, authorized stream: where its wake-ups come from and how its items are read."""
+
+    @property
+    def group(self) -> str: ...
+
+    def initial_end(self, cursor: int) -> Message | None:
+        """The end message if the subject had ended, with nothing after `cursor`, when it was opened."""
+
+    def read_after(self, cursor: int, limit: int) -> Batch:
+        """At most `limit` items with seq > cursor, in order (synchronous: it queries the database)."""
+
+    def is_news(self, wakeup: Message, cursor: int) -> bool:
+        """Whether a wake-up may announce items after `cursor` (a cheap filter; when unsure, True)."""
+
+
+# --- the task stream -------------------------------------------------------------
+
+def visible_task(user: Any, public_id: uuid.UUID, *, tenant_slug: str | None = None) -> Task | None:
+    """The task if this user may see it (the rules of tasks.api.visible_tasks), else None."""
+    tenant = tenant_for(user, slug=tenant_slug)
+    if tenant is None:
+        return None
+    tasks = Task.objects.filter(tenant=tenant, public_id=public_id)
+    is_admin = Membership.objects.filter(user=user, tenant=tenant, role=Membership.Role.ADMIN).exists()
+    return (tasks if is_admin else tasks.filter(owner=user)).first()
+
+
+def end_message(status: str, result_version: int) -> Message:
+    return {"type": "end", "status": status, "result_version": result_version}
+
+
+@dataclass(frozen=True)
+class TaskStream:
+    """A task's events by seq (gapless per task, assigned under the task row's lock, so seq order is commit order)."""
+
+    task_pk: int
+    public_id: uuid.UUID
+    status: str
+    last_event_seq: int
+    result_version: int
+
+    @classmethod
+    def open(cls, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None = None) -> TaskStream | None:
+        """The stream of a task this user may see, or None (missing and forbidden look the same)."""
+        task = visible_task(user, public_id, tenant_slug=tenant_slug)
+        if task is None:
+            return None
+        return cls(task.pk, task.public_id, task.status, task.last_event_seq, task.result_version)
+
+    @property
+    def group(self) -> str:
+        return task_group(self.public_id)
+
+    def initial_end(self, cursor: int) -> Message | None:
+        if self.status in TERMINAL and cursor >= self.last_event_seq:
+            return end_message(self.status, self.result_version)
+        return None
+
+    def read_after(self, cursor: int, limit: int) -> Batch:
+        # One statement: the task columns come from the same snapshot as the events,
+        # so "terminal and nothing after the last row" is decided without a race.
+        rows = list(
+            TaskEvent.objects.filter(task_id=self.task_pk, seq__gt=cursor)
+            .order_by("seq")
+            .values("seq", "kind", "status", "at", "data",
+                    "task__status", "task__last_event_seq", "task__result_version")[:limit]
+        )
+        if not rows:
+            return Batch([])
+        last = rows[-1]
+        ended = last["task__status"] in TERMINAL and last["seq"] == last["task__last_event_seq"]
+        end = end_message(last["task__status"], last["task__result_version"]) if ended else None
+        return Batch(list(EventSerializer(rows, many=True).data), end)
+
+    def is_news(self, wakeup: Message, cursor: int) -> bool:
+        # Several commits in a row wake us several times; one read usually covers them all.
+        seq = wakeup.get("seq")
+        return not isinstance(seq, int) or seq > cursor
+
+
+# --- the thread stream -----------------------------------------------------------
+
+# The events tasks/transitions.py appends with a change of status (plus the stop requests,
+# which a task panel shows at once). Progress events stay on the task streams.
+STATUS_CHANGE_KINDS = frozenset({
+    "queued", "admitted", "recovered", "retrying", "retry_scheduled", "paused", "partial",
+    "succeeded", "failed", "cancelled", "cancel_requested", "pause_requested",
+})
+
+
+def thread_group(public_id: object) -> str:
+    """The group woken when a thread's stream has news (mirrors tasks.events.task_group)."""
+    return f"thread-{public_id}"
+
+
+@dataclass(frozen=True)
+class ThreadStream:
+    """A chat thread's items: for now, the status changes of its tasks, by TaskEvent.id.
+
+    TaskEvent.id is allocated at insert, not at commit: on PostgreSQL two tasks committing
+    at once can become visible out of id order, and a reader that has passed the higher id
+    never sees the lower one. A thread stream can therefore (rarely) miss a status change,
+    which a task stream never does; the chat issue replaces this cursor with a gapless
+    per-thread seq when it adds messages.
+    """
+
+    thread_pk: int
+    public_id: uuid.UUID
+
+    @classmethod
+    def open(cls, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None = None) -> ThreadStream | None:
+        """The stream of a live thread this user owns in the tenant they act for, or None."""
+        tenant = tenant_for(user, slug=tenant_slug)
+        if tenant is None:
+            return None
+        # By name, as tasks.api does: tasks never imports chat (DESIGN §3).
+        thread_model = apps.get_model("chat", "Thread")
+        row = thread_model.objects.filter(public_id=public_id, tenant=tenant, owner=user, deleted=False).first()
+        return None if row is None else cls(row.pk, row.public_id)
+
+    @property
+    def group(self) -> str:
+        return thread_group(self.public_id)
+
+    def initial_end(self, cursor: int) -> Message | None:
+        return None  # a thread does not end
+
+    def read_after(self, cursor: int, limit: int) -> Batch:
+        rows = list(
+            TaskEvent.objects.filter(task__thread_id=self.thread_pk, id__gt=cursor, kind__in=STATUS_CHANGE_KINDS)
+            .order_by("id")
+            .values("id", "seq", "kind", "status", "at", "data", "task__public_id")[:limit]
+        )
+        items = []
+        for row, event in zip(rows, EventSerializer(rows, many=True).data):
+            items.append({**event, "seq": row["id"], "task": str(row["task__public_id"]), "task_seq": row["seq"]})
+        return Batch(items)
+
+    def is_news(self, wakeup: Message, cursor: int) -> bool:
+        return True
+
+
+# --- following a stream ----------------------------------------------------------
+
+def _seconds_setting(name: str, default: float) -> float:
+    # Settings win; the environment is read the same way until settings.py names these.
+    value = getattr(settings, name, None)
+    if value is None:
+        return envfloat(name, default, minimum=0.01)
+    if not isinstance(value, (int, float)) or value <= 0:
+        raise ImproperlyConfigured(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def poll_interval(layer: BaseChannelLayer | None) -> float:
+    """Seconds between reads when no wake-up comes.
+
+    An in-memory layer hears no other process, so polling carries the stream alone
+    (LONGHAUL_STREAM_POLL_S, 1 s); a cross-process layer makes it a safety net for lost
+    wake-ups (LONGHAUL_STREAM_SAFETY_POLL_S, 15 s).
+    """
+    if layer is None or isinstance(layer, InMemoryChannelLayer):
+        return _seconds_setting("LONGHAUL_STREAM_POLL_S", 1.0)
+    return _seconds_setting("LONGHAUL_STREAM_SAFETY_POLL_S", 15.0)
+
+
+ReadBatch = Callable[[int, int], Awaitable[Batch]]
+SendMessage = Callable[[Message], Awaitable[None]]
+
+
+@dataclass
+class Follower:
+    """Sends a stream's items after a cursor, in order and once each, then follows it.
+
+    One reader at a time: wake-ups only set an event that the single `run` loop waits
+    on, so wake-ups that arrive together cause one read, never two overlapping sends.
+
+    Back-pressure: daphne gives an application no signal of a slow socket (sending never
+    blocks and the transport's buffer is out of reach), so the follower bounds what it
+    writes without catching up: after `max_batches_behind` full batches in a row it stops
+    and the client is closed with 4429. The close frame comes after every item sent, so a
+    client can only reconnect (with its last seq, losing nothing) once it has read them:
+    a slow client paces itself, and at most max_batches_behind x batch_size items wait
+    in the server for it.
+    """
+
+    read: ReadBatch
+    send: SendMessage
+    cursor: int
+    poll_s: float
+    initial_end: Message | None = None
+    batch_size: int = BATCH_SIZE
+    max_batches_behind: int = MAX_BATCHES_BEHIND
+    _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _end_sent: Message | None = field(default=None, init=False)
+
+    def wake(self) -> None:
+        """Ask for a read soon; any number of calls before it costs one read."""
+        self._wake.set()
+
+    async def run(self) -> CloseCode:
+        """Follow the stream until the client must reconnect; returns the close code to send."""
+        if self.initial_end is not None:
+            await self._send_end(self.initial_end)
+        while True:
+            self._wake.clear()  # before reading: a wake-up during the read triggers another one
+            if not await self.catch_up():
+                return CloseCode.TOO_FAR_BEHIND
+            # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that races
+            # with a wake-up, and a disconnected client's follower would live on.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake.wait()
+
+    async def catch_up(self) -> bool:
+        """Send everything after the cursor; False if that took more than max_batches_behind full batches."""
+        for _ in range(self.max_batches_behind):
+            batch = await self.read(self.cursor, self.batch_size)
+            for item in batch.items:
+                await self.send(item)
+                self.cursor = item["seq"]
+            if batch.end is not None:
+                await self._send_end(batch.end)
+            if len(batch.items) < self.batch_size:
+                return True
+        return False
+
+    async def _send_end(self, end: Message) -> None:
+        # Late events after the end are sent as events; the same end is not repeated.
+        if end != self._end_sent:
+            await self.send(end)
+            self._end_sent = end
+
