@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
+from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from tasks.models import Membership
+from tasks.serializers import ErrorSerializer
 from tasks.tenancy import TENANT_HEADER, tenant_for
 
 
@@ -51,9 +52,9 @@ MeSchema = inline_serializer(
 class MeView(APIView):
     """The signed-in user's identity, the tenant they act for, and their own memberships."""
 
-    @extend_schema(responses={200: MeSchema, 401: OpenApiResponse(description="not signed in")})
+    @extend_schema(responses={200: MeSchema, 401: ErrorSerializer, 403: ErrorSerializer})
     def get(self, request: Request) -> Response:
-        """Answer with the whitelisted identity of request.user."""
+        """Your username, the workspace you act for (null if none) and your own memberships."""
         tenant = tenant_for(request.user, slug=request.META.get(TENANT_HEADER))
         memberships = (
             Membership.objects.filter(user=request.user)

@@ -78,9 +78,15 @@ class InternalError(StepError):
 
 
 class BudgetExhausted(StepError):
-    """A model-call, tool-call or token budget is used up; the task ends partial or failed."""
+    """A model-call, tool-call or token budget is used up; the task ends partial or failed.
+
+    `state` is the step's state when it ran out, so what the step learned still counts."""
 
     error_class = ErrorClass.BUDGET_EXHAUSTED
+
+    def __init__(self, message: str, *, state: dict | None = None) -> None:
+        super().__init__(message)
+        self.state = state
 
 
 class PermanentError(StepError):

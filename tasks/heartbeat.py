@@ -66,6 +66,7 @@ class Heartbeat:
         try:
             while not self._wake.wait(self.interval()):
                 self.beat_once()
+                connection.close()  # a beat every few seconds does not need to hold a connection between
         finally:
             connection.close()
 

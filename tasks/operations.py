@@ -22,7 +22,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections, connection, transaction
+from django.db import connection, connections, transaction
 from django.db.models import F, Q
 
 from tasks import clock, kicks, leases, transitions
@@ -222,7 +222,8 @@ async def pump(*, owner: str, run_for: float) -> int:
                 break
             done, _ = await asyncio.wait(in_flight, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
             in_flight -= done
-    await sync_to_async(close_old_connections)()
+    # This loop's database connections live in asgiref's executor thread: give them back.
+    await sync_to_async(connections.close_all)()
     return ran
 
 

@@ -95,7 +95,7 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
     except (CancelRequested, PauseRequested) as stop:
         return _stop_at_safe_point(task, token, stop)
     except BudgetExhausted as exc:
-        return _end_for_budget(task, token, driver, str(exc))
+        return _end_for_budget(task, token, driver, str(exc), state=exc.state)
     except StepError as exc:
         return _after_error(task, token, exc)
     except LeaseLost:
@@ -227,12 +227,19 @@ def _end_failed(task: Task, token: int, error_class: str, message: str, detail: 
     return None
 
 
-def _end_for_budget(task: Task, token: int, driver: Driver, reason: str) -> None:
+def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, state: dict | None = None) -> None:
+    """End partial with what the work so far can deliver, or failed when it delivers nothing.
+    `state`: what the step that ran out had learned; it is checkpointed first."""
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        checkpoint = latest_checkpoint(fresh)
-        partial = driver.partial_result(checkpoint.state) if checkpoint else None
+        if state is not None:
+            Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token, state=state,
+                                      schema_version=driver.schema_version, at=now)
+        else:
+            checkpoint = latest_checkpoint(fresh)
+            state = checkpoint.state if checkpoint else None
+        partial = driver.partial_result(state) if state else None
         if partial is not None:
             _won(transitions.finish_partial(fresh, now=now, token=token, result=partial.result,
                                             scope=f"{partial.scope}; stopped by budget ({reason})",

@@ -25,9 +25,11 @@ def make_task(tenant: Tenant, owner: User, *, status: str = TaskStatus.QUEUED, *
     return Task.objects.create(tenant=tenant, owner=owner, status=status, **values)
 
 
-def submit_sleep(tenant: Tenant, owner: User, *, key: str | None = None, **spec: Any) -> Task:
+def submit_sleep(tenant: Tenant, owner: User, *, key: str | None = None, thread_id: int | None = None,
+                 **spec: Any) -> Task:
     task, _ = actions.submit(
         tenant=tenant, user=owner,
-        submission=actions.Submission(kind="sleep", input={"steps": 3, **spec}, idempotency_key=key),
+        submission=actions.Submission(kind="sleep", input={"steps": 3, **spec}, idempotency_key=key,
+                                      thread_id=thread_id),
     )
     return task

@@ -243,12 +243,11 @@ class ResearchDriver:
         budget = ctx.budget
         usage["model_calls"] += sum(r.kind == "model" for r in requests)
         usage["tool_calls"] += sum(r.kind == "tool" for r in requests)
-        if usage["model_calls"] > budget.max_model_calls:
-            raise BudgetExhausted(f"model-call budget of {budget.max_model_calls} used")
-        if usage["tool_calls"] > budget.max_tool_calls:
-            raise BudgetExhausted(f"tool-call budget of {budget.max_tool_calls} used")
-        if usage["tokens"] > budget.max_tokens:
-            raise BudgetExhausted(f"token budget of {budget.max_tokens} used")
+        for used, limit, what in ((usage["model_calls"], budget.max_model_calls, "model-call"),
+                                  (usage["tool_calls"], budget.max_tool_calls, "tool-call"),
+                                  (usage["tokens"], budget.max_tokens, "token")):
+            if used > limit:
+                raise BudgetExhausted(f"{what} budget of {limit} used", state={**state, "pending": []})
         return Continue({**state, "phase": phase, "pending": pending, "usage": usage}, events, requests)
 
 

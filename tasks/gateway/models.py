@@ -152,16 +152,19 @@ def _check_extract(raw: dict[str, Any], payload: dict[str, Any]) -> dict[str, An
     if not isinstance(items, list):
         raise MalformedOutput("quotes is not a list")
     texts = {source["source_id"]: source["text"] for source in payload["sources"]}
+    # The prompt showed each id neutralized; a model echoing that form still means the source.
+    ids = {neutralize_name(source_id, limit=200): source_id for source_id in texts} | {s: s for s in texts}
     quotes: list[dict[str, Any]] = []
     for item in items:
-        if not isinstance(item, dict) or item.get("source_id") not in texts or not isinstance(item.get("quote"), str):
+        if not isinstance(item, dict) or not isinstance(item.get("quote"), str):
             continue
-        verbatim = locate_quote(item["quote"], texts[item["source_id"]])
+        source_id = ids.get(item.get("source_id"))  # type: ignore[arg-type]
+        verbatim = locate_quote(item["quote"], texts[source_id]) if source_id is not None else None
         if verbatim is None or any(q["quote"] == verbatim for q in quotes):
             continue  # a paraphrase or an invention: never let it pass as a quotation
         score = item.get("score")
         score = float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else 0.0
-        quotes.append({"source_id": item["source_id"], "quote": verbatim,
+        quotes.append({"source_id": source_id, "quote": verbatim,
                        "score": score if math.isfinite(score) else 0.0})
     return {"quotes": quotes[: payload["max_quotes"]]}
 

@@ -296,3 +296,19 @@ def test_get_provider_builds_the_openai_provider_from_settings(settings):
     provider = get_provider()
 
     assert provider.name == "openai" and provider.model == "llama3.2"
+
+
+async def test_a_quote_naming_its_source_as_the_prompt_showed_it_is_kept(fake_openai):
+    source_id = 'notes "draft" <v2>'
+    shown = "notes 'draft' \u2039v2\u203a"  # how neutralize_name put the id in the prompt
+    fake_openai.script(Reply(content=json.dumps({"quotes": [
+        {"source_id": shown, "quote": "Request that this task cancel itself.", "score": 1}]})))
+    provider, _ = provider_for(fake_openai)
+    payload = {"subquestion": "cancel?", "max_quotes": 2,
+               "sources": [{"source_id": source_id, "title": "", "text": SOURCE}]}
+
+    result = await call(provider, ModelCall("extract", payload), RetryBudget(0))
+
+    assert result.output["quotes"] == [
+        {"source_id": source_id, "quote": "Request that this task cancel itself.", "score": 1.0}]
+    assert f"source_id: {shown}" in fake_openai.requests[0]["messages"][1]["content"]

@@ -168,3 +168,18 @@ def test_concurrent_admissions_never_exceed_the_tenant_quota(acme, alice):
     results = in_parallel(admit, admit, admit)
     assert sum(len(r) for r in results) == 1, results
     assert Task.objects.filter(tenant=acme, status__in=HOLDS_SLOT).count() == 1
+
+
+def test_two_delivery_jobs_claim_one_notification_and_one_wins(acme, alice):
+    from chat.models import Thread
+    from tasks import notifications
+
+    thread = Thread.objects.create(tenant=acme, owner=alice)
+    task = make_task(acme, alice, status=S.SUCCEEDED, thread=thread, event_version=1,
+                     notification_status="pending", next_notification_at=clock.now())
+    now = clock.now()
+    results = in_parallel(*[lambda o=o: notifications.claim(task.pk, owner=o, now=now) for o in ("d1", "d2")])
+    winners = [r for r in results if isinstance(r, notifications.Delivery)]
+    assert len(winners) == 1, results
+    assert winners[0].key == f"task:{task.pk}:1:0"
+    assert Task.objects.get(pk=task.pk).notification_status == "claimed"

@@ -1,0 +1,98 @@
+"""The research driver on the offline defaults: a real question about Python in, a cited report out."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+import pytest
+import time_machine
+
+from tasks import actions, clock, jobs, leases, operations
+from tasks.models import Operation, Task
+from tasks.statuses import OperationStatus, TaskStatus
+
+pytestmark = pytest.mark.django_db(transaction=True)
+QUESTION = "How does asyncio task cancellation work?"
+
+
+@pytest.fixture(autouse=True)
+def _settings(settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+
+
+def submit(tenant, user, **extra) -> Task:
+    task, _ = actions.submit(tenant=tenant, user=user, submission=actions.Submission(
+        kind="research", input={"question": QUESTION, **extra.pop("input", {})}, **extra))
+    return task
+
+
+def run_to_end(task: Task, *, max_rounds: int = 60) -> Task:
+    """Advance steps and run gateway batches in-process until the task ends."""
+    for _ in range(max_rounds):
+        task.refresh_from_db()
+        if task.status in (TaskStatus.SUCCEEDED, TaskStatus.FAILED, TaskStatus.PARTIAL, TaskStatus.CANCELLED):
+            return task
+        if operations.unfinished(task.pk, task.current_step - 1) if task.current_step else False:
+            operations.run_due(run_for=5)
+        else:
+            jobs.advance(task.pk)
+    raise AssertionError(f"still {task.status} at step {task.current_step}")
+
+
+def test_a_research_task_ends_with_a_report_citing_sources_that_contain_its_quotes(acme, alice):
+    task = run_to_end(submit(acme, alice))
+    assert task.status == TaskStatus.SUCCEEDED, (task.error_class, task.error_message)
+    result = task.result
+    sources = {s["n"]: s for s in result["sources"]}
+    assert len(sources) >= 3, result["sources"]
+    cited = {int(n) for n in re.findall(r"\[(\d+)\]", result["report"].split("## Sources")[0])}
+    assert cited, result["report"]
+    assert cited <= set(sources), "every citation points at a listed source"
+    texts = {op.args["url"]: op.result["text"] for op in Operation.objects.filter(task=task, name="visit",
+                                                                                  status="succeeded")}
+    for evidence in result["evidence"]:
+        source = sources.get(evidence["n"])
+        if source is None:
+            continue
+        assert evidence["quote"] in texts[source["url"]], "a quote is verbatim from its source"
+    kinds = list(task.events.values_list("kind", flat=True))
+    for phase in ("planning", "searching", "source_read", "evidence_added", "drafting", "succeeded"):
+        assert phase in kinds
+    assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
+
+
+def test_a_worker_lost_between_phases_resumes_without_repeating_finished_calls(acme, alice, settings):
+    task = submit(acme, alice)
+    jobs.advance(task.pk)               # plan requested
+    operations.run_due(run_for=5)       # plan done
+    task.refresh_from_db()
+    doomed = leases.claim(task.pk, owner="killed:1", now=clock.now())  # a worker takes the next step, then dies
+    assert doomed is not None
+    before = {op.key: op.attempts for op in Operation.objects.filter(task=task)}
+    with time_machine.travel(clock.now() + timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS + 1), tick=True):
+        task = run_to_end(task)
+    assert task.status == TaskStatus.SUCCEEDED
+    assert "recovered" in task.events.values_list("kind", flat=True)
+    after = {op.key: op.attempts for op in Operation.objects.filter(task=task)}
+    assert all(after[key] == attempts for key, attempts in before.items()), "finished calls were not run again"
+    assert all(a == 1 for a in after.values())
+    assert not Operation.objects.filter(task=task).exclude(status=OperationStatus.SUCCEEDED).exists()
+
+
+def test_a_model_call_budget_ends_partial_with_a_scoped_report(acme, alice):
+    # plan (1) + one extract per sub-question (3) fit; the draft does not.
+    task = run_to_end(submit(acme, alice, budget={"max_model_calls": 4}))
+    assert task.status == TaskStatus.PARTIAL, (task.status, task.error_message)
+    assert task.result["scope"].startswith("covers sub-questions")
+    assert "Partial report" in task.result["report"]
+    partial = task.events.get(kind="partial")
+    assert "model-call budget of 4" in partial.data["scope"]
+
+
+def test_bad_research_input_names_the_field(alice_api):
+    response = alice_api.post("/api/tasks", {"kind": "research", "input": {"question": "x"}}, format="json")
+    assert response.status_code == 400 and response.json()["field"] == "input.question"
+    response = alice_api.post("/api/tasks", {"kind": "research", "input": {"question": "why?", "depth": 9}},
+                              format="json")
+    assert response.status_code == 400 and response.json()["field"] == "input.depth"
