@@ -2,12 +2,9 @@
 
 Each is one transaction that changes the row through a conditional UPDATE and
 writes an AuditEntry naming the acting admin, then raises Conflict (with a code
-the admin turns into a message) when there was nothing to do. They are shaped
-to move as they are: `requeue_failed` and `release_lease` into tasks/actions.py
-(their UPDATEs into transitions.py and leases.py), `retry_notification`,
-`acknowledge_alert` and `set_quotas` beside them. Until then the two moves below reuse
-transitions._move, so that their guard, version bump and event are exactly the
-ones every other transition has.
+the admin turns into a message) when there was nothing to do. Only operators ask
+for these, so they live beside tasks/actions.py rather than in it; their status
+changes are transitions like any other.
 """
 
 from __future__ import annotations
@@ -16,12 +13,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Q
 
 from tasks import clock, kicks, notifications, scheduling, transitions
 from tasks.budgets import Budget
 from tasks.errors import Conflict, InvalidInput
-from tasks.events import NewEvent
 from tasks.models import Alert, AuditEntry, Task, Tenant
 from tasks.statuses import TaskStatus
 
@@ -39,7 +34,7 @@ def requeue_failed(task: Task, *, user: Any) -> Task:
         previous = {"error_class": fresh.error_class, "error_message": fresh.error_message[:200],
                     "retries": fresh.retries, "step": fresh.current_step}
         deadline = now + timedelta(seconds=Budget.of(fresh.budget).queue_deadline_seconds)
-        if not _move_failed_to_queued(fresh, now=now, queue_deadline_at=deadline):
+        if not transitions.requeue_failed(fresh, now=now, queue_deadline_at=deadline):
             raise Conflict("the task changed while it was being requeued", code="changed")
         _audit(fresh.tenant_id, user, "task.requeue", "task", str(fresh.public_id), now, previous)
         scheduling.admit(fresh.tenant_id, now=now)
@@ -58,7 +53,7 @@ def release_lease(task: Task, *, user: Any) -> Task:
         # The holder's name and token are internal: they go to the audit log, not the task's events.
         held = {"lease_owner": fresh.lease_owner, "fencing_token": fresh.fencing_token,
                 "lease_expires_at": fresh.lease_expires_at.isoformat() if fresh.lease_expires_at else None}
-        if not _release_held_lease(fresh, now=now):
+        if not transitions.release_lease(fresh, now=now):
             raise Conflict("the task changed while its lease was being released", code="changed")
         _audit(fresh.tenant_id, user, "task.release_lease", "task", str(fresh.public_id), now, held)
         kicks.kick("advance", fresh.pk)
@@ -99,37 +94,6 @@ def set_quotas(tenant: Tenant, *, user: Any, quotas: dict[str, int]) -> None:
         _audit(tenant.pk, user, "tenant.quotas", "tenant", tenant.slug, now,
                {name: [before[name], value] for name, value in quotas.items() if before[name] != value})
         scheduling.admit(tenant.pk, now=now)
-
-
-# --- the moves, until they live in transitions.py and leases.py --------------------
-
-
-def _move_failed_to_queued(task: Task, *, now: datetime, queue_deadline_at: datetime) -> bool:
-    """failed -> queued, keeping current_step so the next claim resumes from the last checkpoint.
-    The error columns are cleared (the `failed` event and the audit entry keep them): a queued
-    task that still showed an error class would read as failed in the API and the admin."""
-    return transitions._move(
-        task, S.QUEUED, allowed_from={S.FAILED}, now=now,
-        guard=Q(lease_owner=""),
-        fields={"error_class": "", "error_message": "", "error_detail": "", "finished_at": None,
-                "retries": 0, "attempts": 0, "next_run_at": None, "stalled_at": None,
-                "queue_deadline_at": queue_deadline_at,
-                "cancel_requested_at": None, "cancel_requested_by": None, "cancel_reason": "",
-                "cancel_keep_results": False, "pause_requested_at": None, "pause_requested_by": None,
-                "pause_reason": ""},
-        events=[NewEvent("queued", {"reason": "requeued"})],
-    )
-
-
-def _release_held_lease(task: Task, *, now: datetime) -> bool:
-    """running (held) -> running (free, due now), fenced on the token this caller read."""
-    return transitions._move(
-        task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=task.fencing_token,
-        guard=~Q(lease_owner=""),
-        fields={"lease_owner": "", "lease_expires_at": None, "fencing_token": task.fencing_token + 1,
-                "next_run_at": now, "waiting_reason": ""},
-        events=[NewEvent("lease_released", {})],
-    )
 
 
 def _audit(tenant_id: int | None, user: Any, action: str, target_type: str, target_id: str, now: datetime,

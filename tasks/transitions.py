@@ -295,6 +295,34 @@ def requeue(task: Task, *, now: datetime, budget: dict[str, Any] | None = None, 
                  events=[NewEvent("queued", {"reason": reason})])
 
 
+def requeue_failed(task: Task, *, now: datetime, queue_deadline_at: datetime) -> bool:
+    """failed -> queued, keeping current_step so the next claim resumes from the last checkpoint.
+    The error columns are cleared (the `failed` event and the audit entry keep them): a queued
+    task that still showed an error class would read as failed in the API and the admin."""
+    return _move(
+        task, S.QUEUED, allowed_from={S.FAILED}, now=now,
+        guard=Q(lease_owner=""),
+        fields={"error_class": "", "error_message": "", "error_detail": "", "finished_at": None, "started_at": None,
+                "retries": 0, "attempts": 0, "next_run_at": None, "stalled_at": None,
+                "queue_deadline_at": queue_deadline_at,
+                "cancel_requested_at": None, "cancel_requested_by": None, "cancel_reason": "",
+                "cancel_keep_results": False, "pause_requested_at": None, "pause_requested_by": None,
+                "pause_reason": ""},
+        events=[NewEvent("queued", {"reason": "requeued"})],
+    )
+
+
+def release_lease(task: Task, *, now: datetime) -> bool:
+    """running (held) -> running (free, due now), fenced on the token this caller read."""
+    return _move(
+        task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=task.fencing_token,
+        guard=~Q(lease_owner=""),
+        fields={"lease_owner": "", "lease_expires_at": None, "fencing_token": task.fencing_token + 1,
+                "next_run_at": now, "waiting_reason": ""},
+        events=[NewEvent("lease_released", {})],
+    )
+
+
 def mark_cancel_requested(task: Task, *, now: datetime, by_id: int | None, reason: str, keep_results: bool) -> bool:
     """Persist a cancel request first; whoever holds the task acts on it at its next safe point."""
     if task.status in TERMINAL:
