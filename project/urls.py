@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView
 from chat import api as chat_api
 from chat import views as chat_views
 from project import views
+from project.metrics_view import metrics
 from project.api_me import MeView
 from tasks import api
 
@@ -15,6 +16,7 @@ handler500 = "project.views.server_error"
 urlpatterns = [
     path("", chat_views.chat_page, name="chat"),
     path("healthz", views.healthz, name="healthz"),
+    path("metrics", metrics, name="metrics"),
     path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),

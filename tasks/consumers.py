@@ -22,6 +22,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from tasks.streams import (
     BATCH_SIZE, MAX_BATCHES_BEHIND, CloseCode, Follower, Message, Stream, TaskStream, ThreadStream, poll_interval,
+    shared_reader,
 )
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class StreamConsumer(AsyncWebsocketConsumer):
         self.groups.append(stream.group)  # websocket_disconnect discards it
         self.stream = stream
         self.follower = Follower(
-            read=database_sync_to_async(stream.read_after), send=self.send_message, cursor=cursor,
+            read=shared_reader(stream, database_sync_to_async(stream.read_after)), send=self.send_message,
+            cursor=cursor,
             poll_s=poll_interval(self.channel_layer), initial_end=stream.initial_end(cursor),
             batch_size=self.batch_size, max_batches_behind=self.max_batches_behind,
         )

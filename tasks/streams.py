@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -224,6 +225,52 @@ def poll_interval(layer: BaseChannelLayer | None) -> float:
 
 ReadBatch = Callable[[int, int], Awaitable[Batch]]
 SendMessage = Callable[[Message], Awaitable[None]]
+ReadKey = tuple[str, int, int]
+
+
+class SharedReads:
+    """Followers of one stream at one cursor share a database read.
+
+    One commit wakes every subscriber of a task in this process; without sharing, each
+    would run the same query. A read is joined only while it has not started, so every
+    follower's read begins after its wake-up arrived and sees the commit behind it: at
+    most one read per key runs, and at most one waits behind it for all comers.
+    """
+
+    def __init__(self) -> None:
+        self._running: dict[ReadKey, asyncio.Task[Batch]] = {}
+        self._queued: dict[ReadKey, asyncio.Task[Batch]] = {}
+
+    async def read(self, key: ReadKey, read: Callable[[], Awaitable[Batch]]) -> Batch:
+        task = self._queued.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._read(key, self._running.get(key), read))
+            self._queued[key] = task
+        # Shielded: a follower that leaves does not cancel the read others wait for.
+        return await asyncio.shield(task)
+
+    async def _read(self, key: ReadKey, after: asyncio.Task[Batch] | None, read: Callable[[], Awaitable[Batch]]
+                    ) -> Batch:
+        if after is not None:
+            await asyncio.wait({after})
+        self._running[key] = self._queued.pop(key)  # started: later comers queue behind it
+        try:
+            return await read()
+        finally:
+            del self._running[key]
+
+
+_shared_reads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SharedReads] = weakref.WeakKeyDictionary()
+
+
+def shared_reader(stream: Stream, read: ReadBatch) -> ReadBatch:
+    """`read` for one follower of `stream`, sharing reads with this event loop's other followers."""
+    shared = _shared_reads.setdefault(asyncio.get_running_loop(), SharedReads())
+
+    async def read_shared(cursor: int, limit: int) -> Batch:
+        return await shared.read((stream.group, cursor, limit), lambda: read(cursor, limit))
+
+    return read_shared
 
 
 @dataclass

@@ -2,28 +2,39 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import queue
+import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol, connectWS
+from channels_redis.core import RedisChannelLayer
 from django.conf import settings
+from django.db import transaction
 from django.test import Client
 from twisted.internet import reactor
 from twisted.internet.threads import blockingCallFromThread
 
+from tasks import clock, events
+from tasks.events import NewEvent
 from tasks.models import Task
 from tasks.statuses import TaskStatus
-from tests.factories import submit_sleep
+from tests.factories import make_task, submit_sleep
 from tests.processes import daphne, qcluster
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
 REDIS_URL = "redis://127.0.0.1:6379/0"
 WAIT = 30  # seconds for the whole task to stream; never slept
+IDLE_SPELL = 8  # seconds: longer than channels_redis's 5 s blocking read
 
 
 def running_reactor() -> None:
@@ -62,10 +73,15 @@ class StreamClient:
         blockingCallFromThread(reactor, connectWS, factory)
 
     def next(self, timeout: float) -> dict[str, Any]:
+        frame = self.next_or_none(timeout)
+        assert frame is not None, f"no frame within {timeout:.1f}s"
+        return frame
+
+    def next_or_none(self, timeout: float) -> dict[str, Any] | None:
         try:
             return self.frames.get(timeout=max(timeout, 0))
         except queue.Empty:
-            raise AssertionError(f"no frame within {timeout:.1f}s") from None
+            return None
 
     def close(self) -> None:
         if self.protocol is not None:
@@ -78,12 +94,28 @@ def session_cookie(user) -> str:
     return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
 
 
-def stream_while_a_worker_runs(base: str, task: Task, cookie: str, start_worker) -> list[dict[str, Any]]:
-    """Connect, read what is there already, start the worker, and read until the end message."""
-    ws_url = base.replace("http://", "ws://") + f"/ws/tasks/{task.public_id}/?after=0"
-    client = StreamClient(ws_url, cookie=cookie, origin=base)
+@contextmanager
+def worker(log_dir: Path, **env: str) -> Iterator[None]:
+    """A one-worker qcluster, stopped as an operator stops one: SIGTERM to its guard process."""
+    with qcluster(log_dir, workers=1, **env) as cluster:
+        yield
+        # qcluster()'s own stop signals the whole process group, and workers signalled beside
+        # their guard hang until the SIGKILL 30 s later; the guard alone stops them in ~3 s.
+        cluster.popen.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            cluster.popen.wait(WAIT)
+
+
+def ws_url(base: str, task: Task, after: int = 0) -> str:
+    return base.replace("http://", "ws://") + f"/ws/tasks/{task.public_id}/?after={after}"
+
+
+def stream_while_a_worker_runs(base: str, task: Task, cookie: str, log_dir: Path,
+                               **worker_env: str) -> list[dict[str, Any]]:
+    """Connect, read what is there already, start a worker, and read until the end message."""
+    client = StreamClient(ws_url(base, task), cookie=cookie, origin=base)
     received = [client.next(WAIT)]  # "queued", before any worker exists
-    with start_worker():
+    with worker(log_dir, **worker_env):
         deadline = time.monotonic() + WAIT
         while received[-1].get("type") != "end":
             received.append(client.next(deadline - time.monotonic()))
@@ -112,8 +144,7 @@ def test_it_streams_a_task_run_by_another_process_through_redis(acme, alice, log
     task = submit_sleep(acme, alice, steps=5, step_seconds=0.3)
     # The safety-net poll is longer than the test may take: only Redis wake-ups can deliver in time.
     with daphne(log_dir, REDIS_URL=REDIS_URL, LONGHAUL_STREAM_SAFETY_POLL_S="60") as base:
-        received = stream_while_a_worker_runs(
-            base, task, session_cookie(alice), lambda: qcluster(log_dir, workers=1, REDIS_URL=REDIS_URL))
+        received = stream_while_a_worker_runs(base, task, session_cookie(alice), log_dir, REDIS_URL=REDIS_URL)
     assert_streamed_exactly_once_in_order(received, task)
 
 
@@ -121,6 +152,26 @@ def test_it_streams_a_task_run_by_another_process_by_polling_on_the_embedded_def
     task = submit_sleep(acme, alice, steps=5, step_seconds=0.3)
     # No Redis anywhere: the worker's wake-ups stay in its own memory, so the poll carries it.
     with daphne(log_dir, REDIS_URL="", LONGHAUL_STREAM_POLL_S="0.2") as base:
-        received = stream_while_a_worker_runs(
-            base, task, session_cookie(alice), lambda: qcluster(log_dir, workers=1, REDIS_URL=""))
+        received = stream_while_a_worker_runs(base, task, session_cookie(alice), log_dir, REDIS_URL="")
     assert_streamed_exactly_once_in_order(received, task)
+
+
+def test_a_stream_through_redis_outlives_an_idle_spell(acme, alice, log_dir, redis_available):
+    # An idle consumer blocks in BZPOPMIN on Redis for 5 s at a time; a client socket timeout
+    # no longer than that (redis-py 8's default) kills every idle stream. Waiting is the point here.
+    task = make_task(acme, alice, status=TaskStatus.RUNNING)
+    with daphne(log_dir, REDIS_URL=REDIS_URL, LONGHAUL_STREAM_SAFETY_POLL_S="60") as base:
+        client = StreamClient(ws_url(base, task), cookie=session_cookie(alice), origin=base)
+        assert client.next_or_none(IDLE_SPELL) is None, "the stream said something during an idle spell"
+        with transaction.atomic():
+            last = events.append(task, [NewEvent("step_done")], status=task.status, at=clock.now())
+        asyncio.run(wake_through_redis(task, last))
+        assert client.next(WAIT)["seq"] == 1
+        client.close()
+
+
+async def wake_through_redis(task: Task, seq: int) -> None:
+    """The wake-up a worker process would send (this test process has the in-memory layer)."""
+    layer = RedisChannelLayer(hosts=[{"address": REDIS_URL, "socket_timeout": 10}])
+    await layer.group_send(events.task_group(task.public_id), {"type": "task.wakeup", "seq": seq})
+    await layer.close_pools()

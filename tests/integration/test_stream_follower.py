@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tasks.streams import Batch, CloseCode, Follower, Message
+from tasks.streams import Batch, CloseCode, Follower, Message, SharedReads
 
 WAIT = 5
 
@@ -154,3 +154,62 @@ async def test_a_cancel_that_races_with_a_wakeup_still_stops_it():
     task.cancel()  # the client left just as news came: the follower must not live on
     done, _ = await asyncio.wait({task}, timeout=WAIT)
     assert task in done and task.cancelled()
+
+
+# --- shared reads ------------------------------------------------------------------
+
+class CountingReads:
+    """A database stand-in: each read returns how many reads had started when it did."""
+
+    def __init__(self) -> None:
+        self.started = 0
+        self.gate = asyncio.Event()
+
+    async def read(self) -> Batch:
+        self.started += 1
+        seen = self.started
+        await self.gate.wait()
+        return Batch([{"seq": seen}])
+
+
+async def test_followers_at_the_same_cursor_share_one_read():
+    shared, db = SharedReads(), CountingReads()
+    reads = [asyncio.create_task(shared.read(("task-x", 0, 200), db.read)) for _ in range(10)]
+    await asyncio.sleep(0)
+    db.gate.set()
+    batches = await asyncio.wait_for(asyncio.gather(*reads), WAIT)
+    assert db.started == 1
+    assert all(batch.items == [{"seq": 1}] for batch in batches)
+
+
+async def test_a_read_asked_for_during_a_running_one_starts_after_it():
+    # The running read may have begun before the commit that woke the newcomer: it must not be joined.
+    shared, db = SharedReads(), CountingReads()
+    first = asyncio.create_task(shared.read(("task-x", 0, 200), db.read))
+    while db.started == 0:
+        await asyncio.sleep(0)
+    later = [asyncio.create_task(shared.read(("task-x", 0, 200), db.read)) for _ in range(5)]
+    await asyncio.sleep(0)
+    db.gate.set()
+    assert (await asyncio.wait_for(first, WAIT)).items == [{"seq": 1}]
+    assert all(b.items == [{"seq": 2}] for b in await asyncio.wait_for(asyncio.gather(*later), WAIT))
+    assert db.started == 2
+
+
+async def test_a_follower_that_leaves_does_not_cancel_a_read_others_wait_for():
+    shared, db = SharedReads(), CountingReads()
+    leaving = asyncio.create_task(shared.read(("task-x", 0, 200), db.read))
+    staying = asyncio.create_task(shared.read(("task-x", 0, 200), db.read))
+    await asyncio.sleep(0)
+    leaving.cancel()
+    db.gate.set()
+    assert (await asyncio.wait_for(staying, WAIT)).items == [{"seq": 1}]
+    assert leaving.cancelled()
+
+
+async def test_reads_at_other_cursors_are_not_shared():
+    shared, db = SharedReads(), CountingReads()
+    db.gate.set()
+    await asyncio.gather(shared.read(("task-x", 0, 200), db.read), shared.read(("task-x", 5, 200), db.read),
+                         shared.read(("task-y", 0, 200), db.read))
+    assert db.started == 3

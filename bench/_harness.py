@@ -1,0 +1,352 @@
+"""What the benchmarks share: Django setup, the machine line, rows of their own and their
+removal, real processes, percentiles and the Markdown report.
+
+Every benchmark creates its own tenant and users (slug `bench-<name>-<random>`) in the
+database DATABASE_URL names, and removes every row it made, broker rows included, when
+it ends, also after a failure. Use a database of its own for benchmarks:
+
+    DATABASE_URL=postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench .venv/bin/python bench/run_all.py
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+LOG_ROOT = ROOT / "var" / "bench-logs"
+
+
+def setup() -> None:
+    """Django for a benchmark process; debug drivers on (the `sleep` kind), PostgreSQL required."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    os.environ.setdefault("LONGHAUL_DEBUG_DRIVERS", "1")
+    import django
+    from django.apps import apps
+
+    if not apps.ready:
+        django.setup()
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        sys.exit("the benchmarks measure the production mode: set DATABASE_URL=postgres://... "
+                 "(a database of their own, e.g. .../longhaul_bench)")
+
+
+setup()
+
+from django.conf import settings  # noqa: E402
+from django.contrib.auth.models import User  # noqa: E402
+from django.core.management import call_command  # noqa: E402
+from django.db import connection, transaction  # noqa: E402
+from django.db.migrations.executor import MigrationExecutor  # noqa: E402
+
+from tasks.models import Membership, Tenant  # noqa: E402
+from tests import processes  # noqa: E402
+
+
+def migrate_if_needed() -> None:
+    executor = MigrationExecutor(connection)
+    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        print(f"migrating {connection.settings_dict['NAME']} first", flush=True)
+        call_command("migrate", verbosity=0)
+
+
+# --- the machine -------------------------------------------------------------------
+
+
+def machine() -> dict[str, str]:
+    """What the figures were measured on; printed with every report."""
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW server_version")
+        (pg,) = cursor.fetchone()
+    load = os.getloadavg()
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": str(os.cpu_count()),
+        "usable cores": str(len(os.sched_getaffinity(0))),
+        "load average": f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+        "python": platform.python_version(),
+        "postgresql": pg.split()[0],
+        "database": str(connection.settings_dict["NAME"]),
+    }
+
+
+def machine_line() -> str:
+    m = machine()
+    return (f"{m['date']}; {m['cores']} cores ({m['usable cores']} usable); load {m['load average']}; "
+            f"Python {m['python']}; PostgreSQL {m['postgresql']} (database {m['database']})")
+
+
+# --- numbers -----------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks; nan for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else float("nan")
+
+
+def fmt(value: float, digits: int = 1) -> str:
+    if value != value:  # nan
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+# --- the report --------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """One target of DESIGN §13 (or the issue), with what was measured against it. met=None: reference only."""
+
+    goal: str
+    measured: str
+    met: bool | None
+
+    @property
+    def verdict(self) -> str:
+        return {True: "met", False: "NOT met", None: "reference"}[self.met]
+
+
+@dataclass
+class Report:
+    name: str  # the script, e.g. "throughput"
+    title: str
+    what: str  # one line: what was measured, how
+    machine: str = field(default_factory=machine_line)
+    sections: list[tuple[str, str]] = field(default_factory=list)  # (heading, Markdown body)
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, heading: str, body: str) -> None:
+        self.sections.append((heading, body))
+
+    def markdown(self, *, level: int = 2) -> str:
+        h = "#" * level
+        out = [f"{h} {self.title}", "", f"Measured {self.machine}.", "", self.what, ""]
+        for heading, body in self.sections:
+            out += [f"{h}# {heading}", "", body.rstrip(), ""]
+        if self.targets:
+            out += [f"{h}# Targets", "", table(["target", "measured", "verdict"],
+                                               [[t.goal, t.measured, t.verdict] for t in self.targets]), ""]
+        if self.notes:
+            out += [f"{h}# Notes", ""] + [f"- {n}" for n in self.notes] + [""]
+        return "\n".join(out)
+
+    def summary(self) -> str:
+        """One line for BENCHMARKS.md's overview."""
+        judged = [t for t in self.targets if t.met is not None]
+        if not judged:
+            verdict = "no target"
+        elif all(t.met for t in judged):
+            verdict = "all targets met"
+        else:
+            verdict = "NOT met: " + "; ".join(t.goal for t in judged if not t.met)
+        return f"**{self.name}**: {self.what.split('.')[0]}. {verdict}."
+
+
+def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table; numbers right-aligned."""
+    rows = [[str(c) for c in row] for row in rows]
+    align = ["---:" if rows and all(_numeric(r[i]) for r in rows) else "---" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _numeric(text: str) -> bool:
+    cleaned = text.replace(",", "").replace("%", "").replace("x", "").replace("n/a", "0").strip()
+    try:
+        float(cleaned)
+    except ValueError:
+        return False
+    return True
+
+
+# --- rows of our own ---------------------------------------------------------------
+
+
+@dataclass
+class Scope:
+    """A tenant and users made for one benchmark run; `purge()` removes every row under them."""
+
+    tenant: Tenant
+    user: User
+    extra_users: list[User] = field(default_factory=list)
+
+    @classmethod
+    def create(cls, name: str, *, max_running: int = 1000, max_queued: int = 1_000_000) -> Scope:
+        suffix = uuid.uuid4().hex[:8]
+        tenant = Tenant.objects.create(slug=f"bench-{name}-{suffix}", name=f"benchmark {name}",
+                                       max_running=max_running, max_queued=max_queued)
+        user = User.objects.create_user(username=f"bench-{name}-{suffix}")
+        Membership.objects.create(user=user, tenant=tenant)
+        return cls(tenant, user)
+
+    def add_user(self, label: str) -> User:
+        user = User.objects.create_user(username=f"{self.user.username}-{label}")
+        Membership.objects.create(user=user, tenant=self.tenant)
+        self.extra_users.append(user)
+        return user
+
+    def purge(self) -> None:
+        purge_tenant(self.tenant.pk, [self.user.pk, *(u.pk for u in self.extra_users)])
+
+
+def _t(model: Any) -> str:
+    return connection.ops.quote_name(model._meta.db_table)
+
+
+def purge_tenant(tenant_id: int, user_ids: list[int]) -> None:
+    """Delete a benchmark tenant and everything under it with plain DELETEs (fast at a million rows),
+    then the broker rows (kicks) that name its tasks or runs."""
+    from rest_framework.authtoken.models import Token
+
+    from chat.models import Message, Run, Thread
+    from tasks.models import (Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, SleepEffect, Task,
+                              TaskEvent)
+
+    task_ids = _ids(f"SELECT id FROM {_t(Task)} WHERE tenant_id = %s", [tenant_id])
+    run_ids = _ids(f"SELECT id FROM {_t(Run)} WHERE tenant_id = %s", [tenant_id])
+    mine = f"(SELECT id FROM {_t(Task)} WHERE tenant_id = %s)"
+    statements = [
+        (f"DELETE FROM {_t(Message)} WHERE thread_id IN (SELECT id FROM {_t(Thread)} WHERE tenant_id = %s)",
+         [tenant_id]),
+        (f"UPDATE {_t(Task)} SET notification_run_id = NULL WHERE tenant_id = %s AND notification_run_id IS NOT NULL",
+         [tenant_id]),
+        (f"DELETE FROM {_t(Run)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(TaskEvent)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Checkpoint)} WHERE task_id IN {mine}", [tenant_id]),
+        (f"DELETE FROM {_t(Operation)} WHERE task_id IN {mine}", [tenant_id]),
+        (f"DELETE FROM {_t(SleepEffect)} WHERE task_id IN {mine}", [tenant_id]),
+        (f"DELETE FROM {_t(IdempotencyRecord)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Alert)} WHERE tenant_id = %s OR task_id IN {mine}", [tenant_id, tenant_id]),
+        (f"DELETE FROM {_t(AuditEntry)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Task)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Thread)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Membership)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Tenant)} WHERE id = %s", [tenant_id]),
+    ]
+    with transaction.atomic(), connection.cursor() as cursor:
+        for sql, params in statements:
+            cursor.execute(sql, params)
+        if user_ids:
+            Token.objects.filter(user_id__in=user_ids).delete()
+            User.objects.filter(pk__in=user_ids).delete()
+    purge_kicks(set(task_ids), set(run_ids))
+
+
+def _ids(sql: str, params: list[Any]) -> list[int]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return [row[0] for row in cursor.fetchall()]
+
+
+def purge_kicks(task_ids: set[int], run_ids: set[int], *, funcs: Sequence[str] = ()) -> int:
+    """Broker rows that name our tasks or runs (or run one of `funcs`); kicks are signed, so they are read one by one."""
+    from django_q.models import OrmQ
+    from django_q.signing import SignedPackage
+
+    doomed = []
+    for pk, payload in OrmQ.objects.values_list("pk", "payload").iterator(chunk_size=2000):
+        try:
+            package = SignedPackage.loads(payload)
+        except Exception:  # not ours to judge
+            continue
+        func, args = package.get("func"), package.get("args") or ()
+        arg = args[0] if args else None
+        if func in funcs:
+            doomed.append(pk)
+        elif func == "chat.jobs.run_agent":
+            if arg in run_ids:
+                doomed.append(pk)
+        elif isinstance(func, str) and func.startswith("tasks.jobs.") and arg in task_ids:
+            doomed.append(pk)
+    for start in range(0, len(doomed), 5000):
+        OrmQ.objects.filter(pk__in=doomed[start:start + 5000]).delete()
+    return len(doomed)
+
+
+def broker_backlog() -> int:
+    """Broker rows visible now (not delayed, not taken)."""
+    from django.utils import timezone as djtz
+    from django_q.models import OrmQ
+
+    return OrmQ.objects.filter(lock__lte=djtz.now()).count()
+
+
+# --- processes ---------------------------------------------------------------------
+
+
+def log_dir(name: str) -> Path:
+    path = LOG_ROOT / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def qcluster(name: str, *, workers: int, **env: str):
+    """A real `manage.py qcluster` against this database (tests/processes.py), stopped with SIGTERM on exit."""
+    return processes.qcluster(log_dir(name), workers=workers, **env)
+
+
+def daphne(name: str, **env: str):
+    return processes.daphne(log_dir(name), **env)
+
+
+def wait_until(predicate: Callable[[], bool], *, timeout: float, interval: float = 0.05,
+               message: str = "condition") -> float:
+    """Poll a condition another process makes true; returns the time.time() it was seen true."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return time.time()
+        time.sleep(interval)
+    raise TimeoutError(f"timed out after {timeout:g} s waiting for {message}")
+
+
+def fresh_snapshot() -> None:
+    """Outside a transaction each query already sees other processes' commits; this just drops
+    a connection that a long wait may have left idle."""
+    connection.close_if_unusable_or_obsolete()
+
+
+def override(**values: Any):
+    """Settings for this process (admission runs in whichever process submits)."""
+    from django.test.utils import override_settings
+
+    return override_settings(**values)
+
+
+def epoch(dt: datetime | None) -> float:
+    return dt.timestamp() if dt is not None else float("nan")
+
+
+__all__ = [
+    "ROOT", "Report", "Scope", "Target", "broker_backlog", "daphne", "epoch", "fmt", "log_dir", "machine",
+    "machine_line", "median", "migrate_if_needed", "override", "percentile", "purge_kicks", "purge_tenant",
+    "qcluster", "settings", "table", "wait_until",
+]

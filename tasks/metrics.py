@@ -1,0 +1,338 @@
+"""Prometheus metrics, computed from the database at scrape time (DESIGN §11).
+
+The truth lives in the tables, shared by every web and worker process, so one
+custom collector reads it on each scrape instead of keeping process-local counters.
+Every query is bounded: a GROUP BY over a partial index (queued, slot-holding,
+leased, in-flight rows), or a recent window (WINDOW) capped at SAMPLE rows.
+Windowed figures are gauges that go down as the window slides: read them as they
+are, not with rate(). Latency distributions are gauge histograms over the sample.
+
+Not exported: notification delivery latency. The outbox records neither when an
+event was noted nor when its version was delivered, so there is nothing to measure
+it from (see the report that introduced this module).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime, timedelta
+from typing import NamedTuple
+
+from django.conf import settings
+from django.db.models import Count, Min, Q
+from django.db.models.fields.json import KT
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tasks import clock, operations, scheduling
+from tasks.models import AuditEntry, Operation, Task, TaskEvent, Tenant
+from tasks.statuses import HOLDS_SLOT, NotificationStatus, OperationStatus, TaskStatus
+
+WINDOW = timedelta(hours=1)
+SAMPLE = 2000  # newest admissions / finished operations a latency distribution is computed from
+DEFAULT_LONG_WAIT_SECONDS = 300.0
+# Not terminal and not queued or slot-holding: parked until someone acts.
+PARKED = (TaskStatus.WAITING_INPUT, TaskStatus.PAUSED, TaskStatus.PARTIAL)
+WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600)
+CALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_SLOT_STATUSES = sorted(HOLDS_SLOT)
+
+
+def long_wait_seconds() -> float:
+    """A queued task waiting longer than this counts as 'not scheduled for long'."""
+    return float(getattr(settings, "LONGHAUL_METRICS_LONG_WAIT_SECONDS", DEFAULT_LONG_WAIT_SECONDS))
+
+
+class TenantRow(NamedTuple):
+    slug: str
+    max_running: int
+    max_queued: int
+    weight: int
+
+
+Tenants = dict[int, TenantRow]
+
+
+class DatabaseCollector(Collector):
+    """Reads the runtime's tables on every scrape."""
+
+    def collect(self) -> Iterator[Metric]:
+        now = clock.now()
+        tenants = {pk: TenantRow(*row) for pk, *row in
+                   Tenant.objects.values_list("pk", "slug", "max_running", "max_queued", "weight")}
+        yield from task_metrics(tenants, now=now)
+        yield from admission_metrics(tenants, now=now)
+        yield from recovery_metrics(tenants, now=now)
+        yield from pool_metrics(now=now)
+
+
+REGISTRY = CollectorRegistry(auto_describe=False)
+REGISTRY.register(DatabaseCollector())
+
+
+def render() -> bytes:
+    """The Prometheus text exposition of every Longhaul metric."""
+    return generate_latest(REGISTRY)
+
+
+def _slug(tenants: Tenants, tenant_id: int | None) -> str:
+    row = tenants.get(tenant_id) if tenant_id is not None else None
+    return row.slug if row else str(tenant_id)
+
+
+# --- tasks, slots and queues ------------------------------------------------------
+
+
+def task_metrics(tenants: Tenants, *, now: datetime) -> Iterator[Metric]:
+    """Tasks by status and tenant, slots and quotas, and why queued tasks are still queued."""
+    by_status = GaugeMetricFamily("longhaul_tasks", "Tasks that are not finished, by tenant and status.",
+                                  labels=["tenant", "status"])
+    queued = _count_by_tenant(Task.objects.filter(status=TaskStatus.QUEUED))  # task_queued_idx
+    held = _count_by(Task.objects.filter(status__in=_SLOT_STATUSES), "tenant_id", "status")  # task_slot_idx
+    parked = _count_by(Task.objects.filter(status__in=PARKED), "tenant_id", "status")
+    for tenant_id, n in queued.items():
+        by_status.add_metric([_slug(tenants, tenant_id), TaskStatus.QUEUED], n)
+    for (tenant_id, status), n in {**held, **parked}.items():
+        by_status.add_metric([_slug(tenants, tenant_id), status], n)
+    yield by_status
+
+    running: dict[int, int] = defaultdict(int)
+    for (tenant_id, _status), n in held.items():
+        running[tenant_id] += n
+    yield from _quota_metrics(tenants, running)
+    yield from _queue_metrics(tenants, queued, running, now=now)
+
+
+def _quota_metrics(tenants: Tenants, running: dict[int, int]) -> Iterator[Metric]:
+    families = {
+        "max_running": GaugeMetricFamily("longhaul_tenant_max_running", "Running slots a tenant may hold.",
+                                         labels=["tenant"]),
+        "max_queued": GaugeMetricFamily("longhaul_tenant_max_queued", "Tasks a tenant may keep queued.",
+                                        labels=["tenant"]),
+        "weight": GaugeMetricFamily("longhaul_tenant_weight", "A tenant's weight in the share of running slots.",
+                                    labels=["tenant"]),
+    }
+    for row in tenants.values():
+        for name, value in (("max_running", row.max_running), ("max_queued", row.max_queued),
+                            ("weight", row.weight)):
+            families[name].add_metric([row.slug], value)
+    yield from families.values()
+    yield GaugeMetricFamily("longhaul_system_running", "Tasks holding a running slot, system-wide.",
+                            value=sum(running.values()))
+    yield GaugeMetricFamily("longhaul_system_max_running", "The system's cap on running slots.",
+                            value=settings.LONGHAUL_MAX_RUNNING)
+    yield GaugeMetricFamily("longhaul_system_max_queued", "The system's cap on queued tasks.",
+                            value=settings.LONGHAUL_MAX_QUEUED)
+
+
+def _queue_metrics(tenants: Tenants, queued: dict[int, int], running: dict[int, int], *,
+                   now: datetime) -> Iterator[Metric]:
+    threshold = long_wait_seconds()
+    oldest = dict(Task.objects.filter(status=TaskStatus.QUEUED).order_by().values("tenant_id")
+                  .annotate(first=Min("created_at")).values_list("tenant_id", "first"))
+    long_waits = _count_by_tenant(Task.objects.filter(status=TaskStatus.QUEUED,
+                                                      created_at__lt=now - timedelta(seconds=threshold)))
+    oldest_family = GaugeMetricFamily("longhaul_queue_oldest_wait_seconds",
+                                      "How long the oldest queued task of a tenant has waited.", labels=["tenant"])
+    long_family = GaugeMetricFamily("longhaul_queue_waiting_long",
+                                    "Queued tasks that have waited longer than "
+                                    "longhaul_queue_waiting_long_threshold_seconds.", labels=["tenant"])
+    for tenant_id, first in oldest.items():
+        oldest_family.add_metric([_slug(tenants, tenant_id)], max(0.0, (now - first).total_seconds()))
+        long_family.add_metric([_slug(tenants, tenant_id)], long_waits.get(tenant_id, 0))
+    yield oldest_family
+    yield long_family
+    yield GaugeMetricFamily("longhaul_queue_waiting_long_threshold_seconds",
+                            "The wait after which a queued task counts in longhaul_queue_waiting_long.",
+                            value=threshold)
+    yield _delay_reasons(tenants, queued, running)
+
+
+def _delay_reasons(tenants: Tenants, queued: dict[int, int], running: dict[int, int]) -> Metric:
+    """Why queued tasks are not running: their tenant's cap, the system's cap, or neither
+    (admission is overdue: the sweeper will fill the slot)."""
+    family = GaugeMetricFamily("longhaul_queue_delay_reason",
+                               "Queued tasks by why they wait: tenant_cap, system_cap, or admission_due.",
+                               labels=["tenant", "reason"])
+    system_full = sum(running.values()) >= settings.LONGHAUL_MAX_RUNNING
+    for tenant_id, n in queued.items():
+        cap = tenants[tenant_id].max_running if tenant_id in tenants else 0
+        if running.get(tenant_id, 0) >= cap:
+            reason = "tenant_cap"
+        elif system_full:
+            reason = "system_cap"
+        else:
+            reason = "admission_due"
+        family.add_metric([_slug(tenants, tenant_id), reason], n)
+    return family
+
+
+# --- admission waits and refusals -------------------------------------------------
+
+
+def admission_metrics(tenants: Tenants, *, now: datetime) -> Iterator[Metric]:
+    """How long admitted tasks waited in the queue, and how many submissions were refused."""
+    waits = GaugeHistogramMetricFamily(
+        "longhaul_admission_wait_seconds",
+        f"Queue wait of the newest admissions (at most {SAMPLE}, within {int(WINDOW.total_seconds())} s), by tenant.",
+        labels=["tenant"])
+    for tenant_id, seconds in sorted(admission_waits(now=now).items()):
+        waits.add_metric([_slug(tenants, tenant_id)], _buckets(seconds, WAIT_BUCKETS), sum(seconds))
+    yield waits
+
+    refused = GaugeMetricFamily("longhaul_queue_rejections_recent",
+                                f"Submissions refused with 429 in the last {int(WINDOW.total_seconds())} s.",
+                                labels=["tenant"])
+    rows = AuditEntry.objects.filter(action=scheduling.REJECTED, at__gte=now - WINDOW)
+    for tenant_id, n in _count_by_tenant(rows).items():
+        refused.add_metric([_slug(tenants, tenant_id)], n)
+    yield refused
+
+
+def admission_waits(*, now: datetime) -> dict[int, list[float]]:
+    """Seconds each recent admission waited, by tenant id.
+
+    A wait runs from the first of the contiguous 'queued'-status events just before
+    the 'admitted' one (submission, resume or answer) to the admission. Event seqs
+    are gapless per task, so contiguity is a matter of consecutive seqs.
+    """
+    admitted = list(
+        TaskEvent.objects.filter(kind="admitted", at__gte=now - WINDOW)
+        .order_by("-at").values_list("task_id", "tenant_id", "seq", "at")[:SAMPLE]
+    )
+    queued_at = {
+        (task_id, seq): at
+        for task_id, seq, at in TaskEvent.objects.filter(
+            task_id__in={row[0] for row in admitted}, status=TaskStatus.QUEUED
+        ).values_list("task_id", "seq", "at")
+    }
+    waits: dict[int, list[float]] = defaultdict(list)
+    for task_id, tenant_id, seq, at in admitted:
+        entered, before = None, seq - 1
+        while (task_id, before) in queued_at:
+            entered, before = queued_at[(task_id, before)], before - 1
+        if entered is not None:
+            waits[tenant_id].append(max(0.0, (at - entered).total_seconds()))
+    return waits
+
+
+# --- leases, retries, dead letters ------------------------------------------------
+
+
+def recovery_metrics(tenants: Tenants, *, now: datetime) -> Iterator[Metric]:
+    """Leases that expired, takeovers, retries by error class, dead-lettered notifications."""
+    since = now - WINDOW
+    window = int(WINDOW.total_seconds())
+    expired = GaugeMetricFamily("longhaul_leases_expired",
+                                "Tasks whose worker stopped renewing its lease and nobody has taken over yet.",
+                                labels=["tenant"])
+    rows = Task.objects.exclude(lease_owner="").filter(lease_expires_at__lt=now)  # task_leased_idx
+    for tenant_id, n in _count_by_tenant(rows).items():
+        expired.add_metric([_slug(tenants, tenant_id)], n)
+    yield expired
+
+    takeovers = GaugeMetricFamily("longhaul_lease_takeovers_recent",
+                                  f"Tasks taken over from a worker whose lease expired, in the last {window} s.",
+                                  labels=["tenant"])
+    for tenant_id, n in _count_by_tenant(TaskEvent.objects.filter(kind="recovered", at__gte=since)).items():
+        takeovers.add_metric([_slug(tenants, tenant_id)], n)
+    yield takeovers
+
+    retries = GaugeMetricFamily("longhaul_retries_recent",
+                                f"Step retries scheduled in the last {window} s, by error class.",
+                                labels=["tenant", "error_class"])
+    rows = TaskEvent.objects.filter(kind="retry_scheduled", at__gte=since)
+    for (tenant_id, error_class), n in _count_by(rows, "tenant_id", error_class=KT("data__error_class")).items():
+        retries.add_metric([_slug(tenants, tenant_id), error_class or "unknown"], n)
+    yield retries
+
+    dead = GaugeMetricFamily("longhaul_notification_dead_letters",
+                             "Tasks whose notification was dead-lettered and not yet retried.", labels=["tenant"])
+    rows = Task.objects.filter(notification_status=NotificationStatus.DEAD_LETTER)
+    for tenant_id, n in _count_by_tenant(rows).items():
+        dead.add_metric([_slug(tenants, tenant_id)], n)
+    yield dead
+
+
+# --- model and tool pools ---------------------------------------------------------
+
+
+def pool_metrics(*, now: datetime) -> Iterator[Metric]:
+    """Model and tool pools: size, calls in flight, calls waiting for a slot, call latency."""
+    live = Q(status=OperationStatus.STARTED, args__isnull=False)  # operation_inflight_idx
+    # Only calls of tasks still waiting for them get claimed (or taken over); count the same.
+    waiting_task = Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
+                                                               task__waiting_reason__in=("model", "tool"))
+    in_flight = _count_by(Operation.objects.filter(live, lease_expires_at__gte=now), "kind")
+    orphaned = _count_by(Operation.objects.filter(live, waiting_task, lease_expires_at__lt=now), "kind")
+    pending = _count_by(Operation.objects.filter(waiting_task, status=OperationStatus.PENDING,
+                                                 args__isnull=False), "kind")
+    families = {
+        "size": GaugeMetricFamily("longhaul_pool_size", "Calls a pool runs at once, across all processes.",
+                                  labels=["pool"]),
+        "in_flight": GaugeMetricFamily("longhaul_pool_in_flight", "Calls running under a live lease.",
+                                       labels=["pool"]),
+        "saturation": GaugeMetricFamily("longhaul_pool_saturation", "In-flight calls over pool size (0 to 1).",
+                                        labels=["pool"]),
+        "pending": GaugeMetricFamily("longhaul_pool_pending", "Calls waiting for a slot in the pool.",
+                                     labels=["pool"]),
+        "orphaned": GaugeMetricFamily("longhaul_pool_expired_leases",
+                                      "Started calls whose gateway job stopped renewing (to be taken over).",
+                                      labels=["pool"]),
+    }
+    for kind in operations.KINDS:
+        size = operations.pool_size(kind)
+        flying = in_flight.get(kind, 0)
+        for name, value in (("size", size), ("in_flight", flying), ("saturation", flying / size if size else 0.0),
+                            ("pending", pending.get(kind, 0)), ("orphaned", orphaned.get(kind, 0))):
+            families[name].add_metric([kind], value)
+    yield from families.values()
+    yield _call_latency(now=now)
+
+
+def _call_latency(*, now: datetime) -> Metric:
+    """Duration of the newest finished calls (at most SAMPLE, within WINDOW), by pool and call name."""
+    family = GaugeHistogramMetricFamily(
+        "longhaul_operation_duration_seconds",
+        f"Duration of the newest finished model and tool calls (at most {SAMPLE}, "
+        f"within {int(WINDOW.total_seconds())} s).",
+        labels=["pool", "name"])
+    # Newest first by primary key: the scan stops after SAMPLE finished rows.
+    rows = (Operation.objects.filter(status__in=operations.FINISHED, args__isnull=False)
+            .order_by("-id").values_list("kind", "name", "usage", "finished_at")[:SAMPLE])
+    durations: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for kind, name, usage, finished_at in rows:
+        ms = (usage or {}).get("duration_ms")
+        if finished_at is not None and finished_at >= now - WINDOW and isinstance(ms, int | float):
+            durations[(kind, name)].append(ms / 1000)
+    for (kind, name), seconds in sorted(durations.items()):
+        family.add_metric([kind, name], _buckets(seconds, CALL_BUCKETS), sum(seconds))
+    return family
+
+
+# --- helpers ----------------------------------------------------------------------
+
+
+def _count_by(rows, *fields: str, **expressions) -> dict:
+    """COUNT(*) grouped by the fields (and named expressions); keys are values, or tuples of them."""
+    names = [*fields, *expressions]
+    grouped = rows.order_by().values(*fields, **expressions).annotate(n=Count("pk"))
+    if len(names) == 1:
+        return {row[names[0]]: row["n"] for row in grouped}
+    return {tuple(row[name] for name in names): row["n"] for row in grouped}
+
+
+def _count_by_tenant(rows) -> dict[int, int]:
+    return _count_by(rows, "tenant_id")
+
+
+def _buckets(values: Sequence[float], bounds: Iterable[float]) -> list[tuple[str, float]]:
+    """Cumulative histogram buckets, ending with +Inf."""
+    buckets = [(_bound(b), float(sum(1 for v in values if v <= b))) for b in bounds]
+    return [*buckets, ("+Inf", float(len(values)))]
+
+
+def _bound(value: float) -> str:
+    return repr(float(value))
