@@ -152,6 +152,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Durable, multi-tenant background tasks for long-running agent work.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "ENUM_NAME_OVERRIDES": {
+        "TaskStatusEnum": "tasks.statuses.TaskStatus",
+        "RunStatusEnum": "chat.models.Run.Status",
+    },
 }
 DATA_UPLOAD_MAX_MEMORY_SIZE = envint("LONGHAUL_MAX_BODY_BYTES", 1_000_000, minimum=1024)
 

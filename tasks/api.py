@@ -10,8 +10,8 @@ from django.apps import apps
 
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema
-from rest_framework import generics, status
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
+from rest_framework import generics, serializers, status
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -194,42 +194,53 @@ class TaskResult(APIView):
                          "result_version": task.result_version})
 
 
-class TaskCancel(APIView):
-    @extend_schema(request=CancelSerializer, responses={202: TaskSerializer, 404: ERRORS[404]})
+class TaskCommand(APIView):
+    """POST /api/tasks/{id}/<verb>: validate the body, call one action, answer 202 with the task."""
+
+    body: type[serializers.Serializer]
+
+    def perform(self, task: Task, user: Any, data: dict[str, Any]) -> Task:
+        raise NotImplementedError
+
     def post(self, request: Request, task_id: str) -> Response:
         task = get_visible_task(request, task_id)
-        body = CancelSerializer(data=request.data)
+        body = self.body(data=request.data)
         body.is_valid(raise_exception=True)
-        task = actions.request_cancel(task, user=request.user, reason=body.validated_data["reason"],
-                                      keep_results=body.validated_data["keep_results"])
+        task = self.perform(task, request.user, body.validated_data)
         return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
 
 
-class TaskPause(APIView):
-    @extend_schema(request=PauseSerializer, responses={202: TaskSerializer, 404: ERRORS[404], 409: ERRORS[409]})
-    def post(self, request: Request, task_id: str) -> Response:
-        task = get_visible_task(request, task_id)
-        body = PauseSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        task = actions.request_pause(task, user=request.user, reason=body.validated_data["reason"])
-        return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
+def _command_schema(body: type[serializers.Serializer]) -> Any:
+    return extend_schema_view(post=extend_schema(request=body, responses={202: TaskSerializer, **ERRORS}))
 
 
-class TaskAnswer(APIView):
-    @extend_schema(request=AnswerSerializer, responses={202: TaskSerializer, **ERRORS})
-    def post(self, request: Request, task_id: str) -> Response:
-        task = get_visible_task(request, task_id)
-        body = AnswerSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        task = actions.answer(task, user=request.user, text=body.validated_data["answer"])
-        return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
+@_command_schema(CancelSerializer)
+class TaskCancel(TaskCommand):
+    body = CancelSerializer
+
+    def perform(self, task: Task, user: Any, data: dict[str, Any]) -> Task:
+        return actions.request_cancel(task, user=user, reason=data["reason"], keep_results=data["keep_results"])
 
 
-class TaskResume(APIView):
-    @extend_schema(request=ResumeSerializer, responses={202: TaskSerializer, 404: ERRORS[404], 409: ERRORS[409]})
-    def post(self, request: Request, task_id: str) -> Response:
-        task = get_visible_task(request, task_id)
-        body = ResumeSerializer(data=request.data)
-        body.is_valid(raise_exception=True)
-        task = actions.resume(task, user=request.user, budget=body.validated_data["budget"])
-        return Response(TaskSerializer(task).data, status=status.HTTP_202_ACCEPTED)
+@_command_schema(PauseSerializer)
+class TaskPause(TaskCommand):
+    body = PauseSerializer
+
+    def perform(self, task: Task, user: Any, data: dict[str, Any]) -> Task:
+        return actions.request_pause(task, user=user, reason=data["reason"])
+
+
+@_command_schema(ResumeSerializer)
+class TaskResume(TaskCommand):
+    body = ResumeSerializer
+
+    def perform(self, task: Task, user: Any, data: dict[str, Any]) -> Task:
+        return actions.resume(task, user=user, budget=data["budget"])
+
+
+@_command_schema(AnswerSerializer)
+class TaskAnswer(TaskCommand):
+    body = AnswerSerializer
+
+    def perform(self, task: Task, user: Any, data: dict[str, Any]) -> Task:
+        return actions.answer(task, user=user, text=data["answer"])
