@@ -35,7 +35,7 @@ test: venv
 	bin/ensure-postgres
 	bin/ensure-redis
 	bin/ensure-chromium
-	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'not e2e' tests
+	LONGHAUL_DRILL_PG_RESTART=1 DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'not e2e' tests
 	DATABASE_URL='sqlite:///$(CURDIR)/var/smoke.sqlite3' $(PYTEST) -p no:playwright -m 'smoke and not e2e' tests
 	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -m e2e tests/e2e
 

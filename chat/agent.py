@@ -45,7 +45,10 @@ def respond(run: Run) -> Reply:
     from tasks.gateway.models import model_settings
 
     if model_settings().provider == "openai":
-        return asyncio.run(_respond_with_model(run))
+        from chat.runs import lease_seconds
+
+        # Finish (or fail) well inside the run's lease, so no other worker starts the same run meanwhile.
+        return asyncio.run(asyncio.wait_for(_respond_with_model(run), timeout=lease_seconds() * 0.8))
     return _respond_offline(run)
 
 

@@ -14,8 +14,10 @@ def run_agent(run_id: int) -> None:
     """Claim the run and answer it: one assistant message, stored with the run's end."""
     with drain.job():
         owner = leases.worker_identity()
-        run = runs.claim(run_id, owner=owner, now=clock.now())
+        now = clock.now()
+        run = runs.claim(run_id, owner=owner, now=now)
         if run is None:
+            runs.watch_held(run_id, now=now)
             return
         try:
             reply = agent.respond(run)

@@ -58,9 +58,14 @@ def start_run(thread: Thread, *, kind: str, user_text: str, hidden: bool, key: s
     return run, True
 
 
+def lease_seconds() -> float:
+    """How long a worker may answer a run before another may take it over; the agent stops before."""
+    return settings.LONGHAUL_LEASE_SECONDS * 4
+
+
 def claim(run_id: int, *, owner: str, now: datetime) -> Run | None:
     """pending (or running with an expired lease) -> running, leased to this worker."""
-    lease = now + timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS * 4)
+    lease = now + timedelta(seconds=lease_seconds())
     due = Q(status=Run.Status.PENDING) | Q(status=Run.Status.RUNNING, lease_expires_at__lt=now)
     with transaction.atomic():
         run = Run.objects.select_for_update(skip_locked=True).filter(due, pk=run_id).first()
@@ -104,6 +109,15 @@ def fail(run: Run, *, owner: str, error: str, now: datetime) -> None:
                                        content="Sorry, something went wrong while answering. Please try again.")
             transaction.on_commit(lambda: notifications.kick_pending_in_thread(run.thread_id))
     _wake_thread(run.thread)
+
+
+def watch_held(run_id: int, *, now: datetime) -> None:
+    """A kick found the run held by another worker: look again when that lease would expire,
+    so a worker that died mid-run frees its thread promptly instead of at the next sweep."""
+    expires = Run.objects.filter(pk=run_id, status=Run.Status.RUNNING, lease_expires_at__gte=now).values_list(
+        "lease_expires_at", flat=True).first()
+    if expires is not None:
+        kicks.kick("run", run_id, at=expires + timedelta(milliseconds=500))
 
 
 def kick_stale(now: datetime) -> int:

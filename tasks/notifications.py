@@ -212,6 +212,9 @@ def run_finished(task_id: int, version: int, *, now: datetime) -> None:
         notification_status=N.PENDING if newer else N.DELIVERED,
         next_notification_at=now if newer else None,
         notification_error="",
+        # A deliverer that died after starting the run left its lease here; the run's end settles it.
+        notification_lease_owner="",
+        notification_lease_expires_at=None,
     )
     if newer:
         kicks.kick("deliver", task_id)
@@ -220,9 +223,10 @@ def run_finished(task_id: int, version: int, *, now: datetime) -> None:
 def run_failed(task_id: int, version: int, *, error: str, now: datetime) -> None:
     """The notification run failed: count a failure; a retry gets a new key (attempt + 1)."""
     task = Task.objects.select_for_update().get(pk=task_id)
-    if task.notification_status != N.DISPATCHED or task.dispatch_version != version:
+    if task.notification_status not in (N.DISPATCHED, N.CLAIMED) or task.dispatch_version != version:
         return
     failures = task.dispatch_attempt + 1
+    Task.objects.filter(pk=task_id).update(notification_lease_owner="", notification_lease_expires_at=None)
     if failures >= MAX_FAILURES:
         Task.objects.filter(pk=task_id).update(notification_status=N.DEAD_LETTER, notification_error=error[:2000],
                                                notification_attempt_count=failures)
