@@ -17,7 +17,7 @@ from tasks import clock, kicks, runner, scheduling, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drivers import get_driver
-from tasks.errors import Conflict, InvalidInput
+from tasks.errors import Conflict, InvalidInput, QuotaExceeded
 from tasks.events import NewEvent, append
 from tasks.models import AuditEntry, IdempotencyRecord, Task, Tenant
 from tasks.statuses import TERMINAL, TaskStatus
@@ -75,6 +75,10 @@ def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, 
                     task=task, created_at=now, expires_at=now + timedelta(seconds=settings.LONGHAUL_IDEMPOTENCY_TTL),
                 )
             scheduling.admit(tenant.pk, now=now)
+    except QuotaExceeded as exc:
+        # Recorded after the rollback, in a transaction of its own, so that the refusal leaves a trace.
+        scheduling.record_rejection(tenant, user_id=_user_id(user), reason=str(exc), now=clock.now())
+        raise
     except IntegrityError:
         # Another request with the same key committed first; its task is the answer.
         if not key:

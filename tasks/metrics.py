@@ -6,10 +6,14 @@ Every query is bounded: a GROUP BY over a partial index (queued, slot-holding,
 leased, in-flight rows), or a recent window (WINDOW) capped at SAMPLE rows.
 Windowed figures are gauges that go down as the window slides: read them as they
 are, not with rate(). Latency distributions are gauge histograms over the sample.
+Parked tasks, dead letters, refusals and the event windows are bounded only once
+their partial indexes exist (event_metrics_idx, task_parked_idx, task_dead_letter_idx,
+audit_rejected_idx, proposed with this module); until then those queries scan.
 
-Not exported: notification delivery latency. The outbox records neither when an
-event was noted nor when its version was delivered, so there is nothing to measure
-it from (see the report that introduced this module).
+Not exported: notification delivery latency. The outbox on the task row records
+neither when an event version was noted nor when it was delivered, so only terminal
+events could be approximated (task.finished_at to the notification run's finish);
+it waits for those two timestamps rather than exporting a figure that misleads.
 """
 
 from __future__ import annotations
@@ -316,9 +320,12 @@ def _call_latency(*, now: datetime) -> Metric:
 
 
 def _count_by(rows, *fields: str, **expressions) -> dict:
-    """COUNT(*) grouped by the fields (and named expressions); keys are values, or tuples of them."""
+    """COUNT(*) grouped by the fields (and named expressions); keys are values, or tuples of them.
+
+    COUNT(*), not COUNT(id): over a partial index it allows an index-only scan.
+    """
     names = [*fields, *expressions]
-    grouped = rows.order_by().values(*fields, **expressions).annotate(n=Count("pk"))
+    grouped = rows.order_by().values(*fields, **expressions).annotate(n=Count("*"))
     if len(names) == 1:
         return {row[names[0]]: row["n"] for row in grouped}
     return {tuple(row[name] for name in names): row["n"] for row in grouped}

@@ -144,7 +144,12 @@ class Task(models.Model):
             # api: a tenant's tasks, newest first.
             models.Index(fields=["tenant", "-created_at"], name="task_tenant_recent_idx"),
             models.Index(fields=["thread", "-created_at"], name="task_thread_recent_idx"),
-            # notifications.claim_due and the sweeper: outbox rows waiting for delivery.
+            # metrics: parked tasks per tenant.
+            models.Index(fields=["tenant", "status"], name="task_parked_idx",
+                         condition=Q(status__in=["partial", "paused", "waiting_input"])),
+            # metrics and the admin's dead-letter view: dead letters per tenant.
+            models.Index(fields=["tenant"], name="task_dead_letter_idx", condition=Q(notification_status="dead_letter")),
+            # notifications.kick_due and the sweeper: outbox rows waiting for delivery.
             models.Index(fields=["next_notification_at"], name="task_notify_due_idx",
                          condition=Q(notification_status__in=["pending", "retry", "claimed", "dispatched"])),
         ]
@@ -165,6 +170,11 @@ class TaskEvent(models.Model):
     class Meta:
         ordering = ["task", "seq"]
         constraints = [models.UniqueConstraint(fields=["task", "seq"], name="event_task_seq_unique")]
+        indexes = [
+            # metrics: recent admissions, takeovers and retries.
+            models.Index(fields=["kind", "at"], name="event_metrics_idx",
+                         condition=Q(kind__in=["admitted", "recovered", "retry_scheduled"])),
+        ]
 
     def __str__(self) -> str:
         return f"#{self.seq} {self.kind}"
@@ -249,7 +259,11 @@ class AuditEntry(models.Model):
     class Meta:
         ordering = ["-at"]
         verbose_name_plural = "audit entries"
-        indexes = [models.Index(fields=["tenant", "-at"], name="audit_tenant_recent_idx")]
+        indexes = [
+            models.Index(fields=["tenant", "-at"], name="audit_tenant_recent_idx"),
+            # metrics: recent refused submissions.
+            models.Index(fields=["at"], name="audit_rejected_idx", condition=Q(action="task.rejected")),
+        ]
 
     def __str__(self) -> str:
         return f"{self.action} {self.target_type} {self.target_id}"

@@ -180,7 +180,7 @@ def waiting_tenants() -> list[TenantQueue]:
     """
     held = (
         Task.objects.filter(tenant=OuterRef("pk"), status__in=_SLOT_STATUSES)
-        .order_by().values("tenant").annotate(n=Count("pk")).values("n")
+        .order_by().values("tenant").annotate(n=Count("*")).values("n")
     )
     rows = (
         Tenant.objects.filter(Exists(Task.objects.filter(tenant=OuterRef("pk"), status=TaskStatus.QUEUED)))

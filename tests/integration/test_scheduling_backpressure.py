@@ -49,8 +49,6 @@ def test_a_refusal_is_audited_and_alerts_at_most_once_per_tenant_per_hour(acme, 
     assert "acme" in Alert.objects.filter(tenant=acme).first().message
 
 
-@pytest.mark.xfail(strict=True, reason="needs tasks/actions.py to call scheduling.record_rejection on 429 "
-                                       "(see the scheduling report); remove this mark when it does")
 def test_a_refused_submission_is_counted_and_alerted(alice_api, acme):
     Tenant.objects.filter(pk=acme.pk).update(max_running=0, max_queued=1)
     assert submit(alice_api, key="a").status_code == 201

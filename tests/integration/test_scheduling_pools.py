@@ -13,7 +13,7 @@ from tasks.models import Operation, Task
 from tasks.statuses import OperationStatus, TaskStatus
 from tests.factories import make_task
 
-O = OperationStatus
+Op = OperationStatus
 pytestmark = pytest.mark.django_db
 
 
@@ -28,7 +28,7 @@ def waiting_for_the_model(tenant, owner) -> Task:
 
 
 def model_call(task: Task, n: int, **fields: Any) -> Operation:
-    values: dict[str, Any] = {"status": O.PENDING, "attempts": 0}
+    values: dict[str, Any] = {"status": Op.PENDING, "attempts": 0}
     values.update(fields)
     return Operation.objects.create(task=task, key=f"{task.pk}:0:r{n}", step=0, n=n, kind="model", name="chat",
                                     args={"prompt": n}, args_digest=str(n), fencing_token=0,
@@ -36,7 +36,7 @@ def model_call(task: Task, n: int, **fields: Any) -> Operation:
 
 
 def held_by_a_dead_job(task: Task, n: int, *, expires_in: timedelta) -> Operation:
-    return model_call(task, n, status=O.STARTED, attempts=1, lease_owner="dead-host:4242",
+    return model_call(task, n, status=Op.STARTED, attempts=1, lease_owner="dead-host:4242",
                       lease_expires_at=clock.now() + expires_in, started_at=clock.now())
 
 
@@ -50,7 +50,7 @@ def test_a_held_model_slot_blocks_the_pool_until_its_lease_expires(acme, alice):
     assert [op.pk for op in claimed] == [stuck.pk], "the dead job's call is taken over first, within the cap"
     stuck.refresh_from_db()
     assert (stuck.lease_owner, stuck.attempts) == ("gw:1", 2)
-    assert Operation.objects.get(pk=pending.pk).status == O.PENDING
+    assert Operation.objects.get(pk=pending.pk).status == Op.PENDING
 
     with time_machine.travel(later, tick=False):
         assert operations.record(stuck.pk, owner="gw:1", result={"text": "done"})

@@ -1,0 +1,303 @@
+"""Fairness under a flood: two tenants with equal weights, one submitting 100 tasks for each of the
+other's, on 4 running slots, executed by a real qcluster; beside an idle system's admission wait
+for the light tenant alone, in one run on this machine.
+
+    DATABASE_URL=postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_h5bench .venv/bin/python bench/fairness.py
+
+Phases, all with sleep tasks of STEPS steps of STEP_SECONDS each:
+  1. idle baseline: the light tenant submits tasks one at a time on an empty system;
+  2. flood: the heavy tenant submits 100x the light tenant's total, keeping every slot busy;
+  3. trickle: the light tenant submits single tasks, each after the previous one finished (it
+     holds no slot: the wait is how long a newcomer waits for one of the 4 running tasks to end;
+     slots are not preempted, so with tasks of 3 steps that is about 1.6 step-times at p95 even
+     without any overhead);
+  4. burst: once the light tenant holds no slot, it submits a batch at once: both tenants are
+     backlogged until the batch's last task is admitted; slot-time shares are measured there.
+Targets: the light tenant's p95 wait under the flood within 2 step-times (measured, checkpoint to
+checkpoint) of the idle baseline's, and slot-time shares within 10% (relative) of the weights
+while both had tasks waiting for a slot.
+
+Migrates DATABASE_URL first (bench/_harness.py), refuses a database with unfinished tasks of
+others (the system cap would be shared with them), creates its own tenants, user and tasks, and
+deletes them afterwards. Loopback only; bounded in time (--timeout a phase) and count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import _harness as h
+from django.conf import settings
+from django.db import connection, transaction
+
+from tasks import actions, clock, scheduling
+from tasks.budgets import Budget
+from tasks.drivers import get_driver
+from tasks.models import Checkpoint, Task, TaskEvent, Tenant
+from tasks.statuses import TERMINAL, TaskStatus
+
+SLOTS = 4
+STEPS = 3
+STEP_SECONDS = 0.05
+RATIO = 100
+SHARE_TOLERANCE = 0.10  # relative to the weight share
+LOOPBACK = {"127.0.0.1", "localhost", "::1", ""}
+LIMITS = {"idle": 100, "trickle": 100, "burst": 100, "timeout": 600}
+Interval = tuple[datetime, datetime]
+
+
+@dataclass
+class Phase:
+    started: datetime
+    ended: datetime
+
+
+@dataclass
+class Tenants:
+    heavy: h.Scope
+    light: h.Scope
+
+
+# --- driving the run --------------------------------------------------------------
+
+
+def submit(scope: h.Scope) -> int:
+    task, _ = actions.submit(tenant=scope.tenant, user=scope.user, submission=actions.Submission(
+        kind="sleep", input={"steps": STEPS, "step_seconds": STEP_SECONDS}))
+    return task.pk
+
+
+def phase(run: Callable[[], None]) -> Phase:
+    started = clock.now()
+    run()
+    return Phase(started, clock.now())
+
+
+def wait_finished(ids: Iterable[int], timeout: float) -> None:
+    ids = list(ids)
+    h.wait_until(lambda: not Task.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).exists(),
+                 timeout=timeout, interval=0.01, message=f"{len(ids)} tasks to end")
+
+
+def idle_baseline(light: h.Scope, count: int, timeout: float) -> None:
+    """The light tenant alone: one task at a time, each finished before the next."""
+    for _ in range(count):
+        wait_finished([submit(light)], timeout)
+
+
+def flood(heavy: h.Scope, count: int) -> None:
+    """The heavy tenant's submissions, written in bulk: the rows and 'queued' events actions.submit
+    writes, then one admission, as the last submission would do. One transaction per submission
+    would take minutes on a loaded 2-core machine without changing what is measured; the light
+    tenant, whose waits are the point, always submits through actions.submit."""
+    driver = get_driver("sleep")
+    task_input = driver.validate_input({"steps": STEPS, "step_seconds": STEP_SECONDS})
+    budget = Budget.parse(None)
+    at = clock.now()
+    with transaction.atomic():
+        tasks = Task.objects.bulk_create(
+            Task(tenant=heavy.tenant, owner=heavy.user, kind="sleep", name="sleep task", input=task_input,
+                 budget=budget.as_dict(), status=TaskStatus.QUEUED, created_at=at, updated_at=at,
+                 queue_deadline_at=at + timedelta(seconds=budget.queue_deadline_seconds),
+                 code_version=settings.LONGHAUL_CODE_VERSION, schema_version=driver.schema_version,
+                 last_event_seq=1)
+            for _ in range(count)
+        )
+        TaskEvent.objects.bulk_create(
+            TaskEvent(task=task, tenant=heavy.tenant, seq=1, kind="queued", status=TaskStatus.QUEUED,
+                      data={"kind": "sleep"}, at=at)
+            for task in tasks
+        )
+        scheduling.admit(heavy.tenant.pk, now=at)
+
+
+def trickle(light: h.Scope, count: int, timeout: float) -> None:
+    """Single light tasks, each submitted once the previous one finished."""
+    for i in range(count):
+        wait_finished([submit(light)], timeout)
+        time.sleep(STEP_SECONDS * (i % 5) / 5)  # arrive at a different point of the others' steps
+
+
+def burst(light: h.Scope, count: int, timeout: float) -> None:
+    """A batch of light tasks at once, submitted when the light tenant holds no slot."""
+    ids = [submit(light) for _ in range(count)]
+    h.wait_until(lambda: not Task.objects.filter(pk__in=ids, status=TaskStatus.QUEUED).exists(),
+                 timeout=timeout, interval=0.01, message="the burst to be admitted")
+
+
+# --- measuring from the database ----------------------------------------------------
+
+
+def waits(tenant: Tenant, during: Phase) -> list[float]:
+    """Admission waits (ms) of the tenant's tasks submitted during the phase."""
+    rows = TaskEvent.objects.filter(kind="admitted", tenant=tenant, task__created_at__gte=during.started,
+                                    task__created_at__lte=during.ended).values_list("at", "task__created_at")
+    return [(at - created).total_seconds() * 1000 for at, created in rows]
+
+
+def step_times(tenant: Tenant, during: Phase) -> list[float]:
+    """Wall time (ms) between consecutive checkpoints of one task, within the phase."""
+    gaps: list[float] = []
+    last: dict[int, datetime] = {}
+    rows = (Checkpoint.objects.filter(task__tenant=tenant, at__gte=during.started, at__lte=during.ended)
+            .order_by("task_id", "step").values_list("task_id", "at"))
+    for task_id, at in rows:
+        if task_id in last:
+            gaps.append((at - last[task_id]).total_seconds() * 1000)
+        last[task_id] = at
+    return gaps
+
+
+def slot_intervals(tenant: Tenant, end_of_run: datetime) -> list[Interval]:
+    """[admitted, finished) of each of the tenant's tasks: the time it held a slot."""
+    admitted = dict(TaskEvent.objects.filter(kind="admitted", tenant=tenant).values_list("task_id", "at"))
+    finished = dict(Task.objects.filter(tenant=tenant, finished_at__isnull=False).values_list("pk", "finished_at"))
+    return [(at, finished.get(task_id, end_of_run)) for task_id, at in admitted.items()]
+
+
+def queued_intervals(tenant: Tenant, end_of_run: datetime) -> list[Interval]:
+    """[created, admitted) of each of the tenant's tasks; still-queued ones up to the end of the run."""
+    rows = TaskEvent.objects.filter(kind="admitted", tenant=tenant).values_list("task__created_at", "at")
+    waiting = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED).values_list("created_at", flat=True)
+    return [*rows, *((created, end_of_run) for created in waiting)]
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    merged: list[Interval] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersect(a: list[Interval], b: list[Interval]) -> list[Interval]:
+    return [(max(s1, s2), min(e1, e2)) for s1, e1 in a for s2, e2 in b if min(e1, e2) > max(s1, s2)]
+
+
+def overlap(intervals: Iterable[Interval], windows: list[Interval]) -> float:
+    return sum((min(e, we) - max(s, ws)).total_seconds()
+               for s, e in intervals for ws, we in windows if min(e, we) > max(s, ws))
+
+
+def slot_seconds(tenants: Tenants, during: Phase) -> tuple[dict[str, float], float]:
+    """Each tenant's slot-seconds while both had tasks waiting for a slot within the phase, and
+    how long that was."""
+    end = clock.now()
+    both = intersect(intersect(union(queued_intervals(tenants.heavy.tenant, end)),
+                               union(queued_intervals(tenants.light.tenant, end))),
+                     [(during.started, during.ended)])
+    used = {name: overlap(slot_intervals(scope.tenant, end), both)
+            for name, scope in (("heavy", tenants.heavy), ("light", tenants.light))}
+    return used, sum((e - s).total_seconds() for s, e in both)
+
+
+# --- the benchmark ------------------------------------------------------------------
+
+
+def check_database() -> None:
+    host = str(settings.DATABASES["default"].get("HOST") or "")
+    if host not in LOOPBACK:
+        raise SystemExit(f"bench/fairness.py runs against a loopback database only (got {host!r})")
+    for tenant in Tenant.objects.filter(slug__startswith="bench-fairness-"):  # an earlier run killed mid-way
+        users = tenant.memberships.filter(user__username__startswith="bench-").values_list("user_id", flat=True)
+        h.purge_tenant(tenant.pk, list(users))
+    busy = Task.objects.exclude(status__in=TERMINAL).count()
+    if busy:
+        raise SystemExit(f"the database has {busy} unfinished tasks; use a database of its own for this bench")
+
+
+def run(*, idle: int = 8, trickle_count: int = 30, burst_count: int = 20, timeout: float = 300) -> h.Report:
+    h.migrate_if_needed()
+    check_database()
+    flood_count = RATIO * (trickle_count + burst_count)
+    report = h.Report(
+        "fairness", "Fair admission under a flood",
+        f"Two tenants with equal weights on {SLOTS} running slots, sleep tasks of {STEPS} x "
+        f"{STEP_SECONDS * 1000:.0f} ms, through a qcluster of {SLOTS} workers: the heavy tenant submits "
+        f"{flood_count} tasks ({RATIO}:1), the light one {trickle_count} singly and then {burst_count} at once; "
+        f"beside the light tenant alone on an idle system ({idle} tasks). Waits from the events "
+        f"(admitted.at - created_at).",
+    )
+    tenants = Tenants(heavy=h.Scope.create("fairness-heavy", max_running=SLOTS),
+                      light=h.Scope.create("fairness-light", max_running=SLOTS))
+    phases: dict[str, Phase] = {}
+    try:
+        with h.override(LONGHAUL_MAX_RUNNING=SLOTS):  # this process admits at submission, under the same cap
+            with h.qcluster("fairness", workers=SLOTS, LONGHAUL_MAX_RUNNING=str(SLOTS)):
+                phases["idle"] = phase(lambda: idle_baseline(tenants.light, idle, timeout))
+                phases["flood"] = phase(lambda: flood(tenants.heavy, flood_count))
+                phases["trickle"] = phase(lambda: trickle(tenants.light, trickle_count, timeout))
+                wait_finished(Task.objects.filter(tenant=tenants.light.tenant).values_list("pk", flat=True), timeout)
+                phases["burst"] = phase(lambda: burst(tenants.light, burst_count, timeout))
+            describe(report, tenants, phases)
+    finally:
+        tenants.heavy.purge()
+        tenants.light.purge()
+    return report
+
+
+def describe(report: h.Report, tenants: Tenants, phases: dict[str, Phase]) -> None:
+    """Fill the report from the run's events and checkpoints."""
+    light, heavy = tenants.light.tenant, tenants.heavy.tenant
+    idle = waits(light, phases["idle"])
+    trickled = waits(light, phases["trickle"])
+    steps = step_times(heavy, Phase(phases["flood"].started, phases["burst"].ended))
+    step_ms = h.median(steps)
+    rows = [
+        ["light, idle system (baseline)", *_summary(idle)],
+        ["light, singly under the flood", *_summary(trickled)],
+        ["light, its own burst", *_summary(waits(light, phases["burst"]))],
+        ["heavy, flood (those admitted by the end)", *_summary(waits(heavy, phases["flood"]))],
+    ]
+    report.add("Admission wait (ms)", h.table(["who", "n", "p50", "p95", "max"], rows)
+               + f"\n\nStep time (checkpoint to checkpoint, heavy tenant, under load): median "
+                 f"{h.fmt(step_ms)} ms, p95 {h.fmt(h.percentile(steps, 95))} ms over {len(steps)} steps.")
+    used, window = slot_seconds(tenants, phases["burst"])
+    total = sum(used.values()) or 1.0
+    share = {name: seconds / total for name, seconds in used.items()}
+    report.add("Slot-time while both tenants had tasks waiting for a slot", h.table(
+        ["tenant", "slot-seconds", "share", "weight share"],
+        [[name, h.fmt(used[name], 2), f"{share[name]:.1%}", "50.0%"] for name in ("heavy", "light")])
+        + f"\n\nBoth were backlogged for {window:.2f} s, from the light tenant's burst (holding no slot) to its "
+          f"last admission.")
+    bound = h.percentile(idle, 95) + 2 * step_ms
+    report.targets += [
+        h.Target("light tenant's p95 wait under the flood within 2 step-times of the idle baseline",
+                 f"{h.fmt(h.percentile(trickled, 95))} ms vs {h.fmt(h.percentile(idle, 95))} + 2 x "
+                 f"{h.fmt(step_ms)} = {h.fmt(bound)} ms", h.percentile(trickled, 95) <= bound),
+        h.Target(f"slot-time shares within {SHARE_TOLERANCE:.0%} of the weights while both have work",
+                 ", ".join(f"{name} {share[name]:.1%}" for name in ("heavy", "light")),
+                 window > 0 and all(abs(s - 0.5) <= 0.5 * SHARE_TOLERANCE for s in share.values())),
+    ]
+    if connection.vendor != "postgresql":
+        report.notes.append("not PostgreSQL: the figures do not describe the production mode")
+
+
+def _summary(values: list[float]) -> list[str]:
+    return [str(len(values)), h.fmt(h.percentile(values, 50)), h.fmt(h.percentile(values, 95)),
+            h.fmt(max(values) if values else float("nan"))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--idle", type=int, default=8, help="light tasks on the idle system")
+    parser.add_argument("--trickle", type=int, default=30, help="light tasks submitted singly under the flood")
+    parser.add_argument("--burst", type=int, default=20, help="light tasks submitted at once under the flood")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for one phase")
+    args = parser.parse_args()
+    for name, limit in LIMITS.items():
+        if not 0 < getattr(args, name) <= limit:
+            parser.error(f"--{name} must be above 0 and at most {limit}")
+    report = run(idle=args.idle, trickle_count=args.trickle, burst_count=args.burst, timeout=args.timeout)
+    print()
+    print(report.markdown())
+
+
+if __name__ == "__main__":
+    main()
