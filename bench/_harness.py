@@ -16,7 +16,8 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -26,22 +27,58 @@ ROOT = Path(__file__).resolve().parent.parent
 LOG_ROOT = ROOT / "var" / "bench-logs"
 
 
+def _development_key() -> str:
+    """The key `make run` generated under var/ (so earlier broker rows still verify), or a new one."""
+    path = Path(os.environ.get("LONGHAUL_VAR_DIR", ROOT / "var")) / "secret_key"
+    if path.exists():
+        return path.read_text().strip()
+    import secrets
+
+    return secrets.token_urlsafe(50)
+
+
 def setup() -> None:
     """Django for a benchmark process; debug drivers on (the `sleep` kind), PostgreSQL required."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
+    # Production mode (DEBUG off: no query log, no static autorefresh) with the debug `sleep` kind.
+    # Child processes inherit this environment; they must share the key that signs broker messages.
+    os.environ.setdefault("DEBUG", "0")
     os.environ.setdefault("LONGHAUL_DEBUG_DRIVERS", "1")
+    if not os.environ.get("SECRET_KEY"):
+        os.environ["SECRET_KEY"] = _development_key()
     import django
     from django.apps import apps
 
     if not apps.ready:
         django.setup()
+    import logging
+
+    logging.getLogger("django-q").setLevel(logging.WARNING)  # django-q2 logs every enqueue at INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # and httpx every request
     from django.db import connection
 
     if connection.vendor != "postgresql":
         sys.exit("the benchmarks measure the production mode: set DATABASE_URL=postgres://... "
                  "(a database of their own, e.g. .../longhaul_bench)")
+    _create_database_if_missing(connection.settings_dict)
+
+
+def _create_database_if_missing(s: dict[str, Any]) -> None:
+    """CREATE DATABASE for a benchmark database that does not exist yet (the role needs CREATEDB)."""
+    import psycopg
+
+    params = dict(host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"], password=s["PASSWORD"])
+    try:
+        psycopg.connect(dbname=s["NAME"], **params).close()
+        return
+    except psycopg.OperationalError as exc:
+        if "does not exist" not in str(exc):
+            raise
+    with psycopg.connect(dbname="postgres", autocommit=True, **params) as admin:
+        admin.execute(f'CREATE DATABASE "{s["NAME"]}"')
+    print(f"created database {s['NAME']}", flush=True)
 
 
 setup()
@@ -68,9 +105,12 @@ def migrate_if_needed() -> None:
 
 def machine() -> dict[str, str]:
     """What the figures were measured on; printed with every report."""
-    with connection.cursor() as cursor:
-        cursor.execute("SHOW server_version")
-        (pg,) = cursor.fetchone()
+    def version() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW server_version")
+            return cursor.fetchone()[0]
+
+    pg = reconnecting(version)
     load = os.getloadavg()
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -80,13 +120,35 @@ def machine() -> dict[str, str]:
         "python": platform.python_version(),
         "postgresql": pg.split()[0],
         "database": str(connection.settings_dict["NAME"]),
+        "channel layer": "Redis" if settings.REDIS_URL else "in-memory",
     }
+
+
+def other_sessions() -> int:
+    """Connections to this database other than this process's own."""
+    def read() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                           "AND pid <> pg_backend_pid()")
+            return cursor.fetchone()[0]
+
+    return reconnecting(read)
+
+
+def postmaster_started() -> str:
+    def read() -> str:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_postmaster_start_time()")
+            return str(cursor.fetchone()[0])
+
+    return reconnecting(read)
 
 
 def machine_line() -> str:
     m = machine()
     return (f"{m['date']}; {m['cores']} cores ({m['usable cores']} usable); load {m['load average']}; "
-            f"Python {m['python']}; PostgreSQL {m['postgresql']} (database {m['database']})")
+            f"Python {m['python']}; PostgreSQL {m['postgresql']} (database {m['database']}); "
+            f"channel layer {m['channel layer']}")
 
 
 # --- numbers -----------------------------------------------------------------------
@@ -141,11 +203,22 @@ class Report:
     sections: list[tuple[str, str]] = field(default_factory=list)  # (heading, Markdown body)
     targets: list[Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    database_started: str = field(default_factory=lambda: postmaster_started())
+
+    def __post_init__(self) -> None:
+        others = other_sessions()
+        if others:
+            self.notes.append(f"{others} other session(s) were connected to this database when the run began; "
+                              "if they run workers, they share the broker table with this benchmark.")
 
     def add(self, heading: str, body: str) -> None:
         self.sections.append((heading, body))
 
     def markdown(self, *, level: int = 2) -> str:
+        if postmaster_started() != self.database_started:
+            self.notes.insert(0, "**PostgreSQL restarted during this run** (a fault drill elsewhere on this "
+                                 "machine?): the figures are not reliable; run it again.")
+            self.database_started = postmaster_started()
         h = "#" * level
         out = [f"{h} {self.title}", "", f"Measured {self.machine}.", "", self.what, ""]
         for heading, body in self.sections:
@@ -214,7 +287,33 @@ class Scope:
         return user
 
     def purge(self) -> None:
-        purge_tenant(self.tenant.pk, [self.user.pk, *(u.pk for u in self.extra_users)])
+        users = [self.user.pk, *(u.pk for u in self.extra_users)]
+        reconnecting(lambda: purge_tenant(self.tenant.pk, users))
+
+
+def reconnecting(fn: Callable[[], Any], *, attempts: int = 6) -> Any:
+    """Run `fn`, reconnecting if the database went away meanwhile (fault drills restart it on this machine)."""
+    from django.db import InterfaceError, OperationalError
+
+    for attempt in range(attempts):
+        try:
+            return fn()
+        except (OperationalError, InterfaceError):
+            if attempt == attempts - 1:
+                raise
+            connection.close()
+            time.sleep(2 * (attempt + 1))
+
+
+def purge_leftovers() -> list[str]:
+    """Remove the tenants (and all under them) of benchmark runs that were killed before cleaning up."""
+    gone = []
+    for tenant in Tenant.objects.filter(slug__startswith="bench-"):
+        users = list(Membership.objects.filter(tenant=tenant, user__username__startswith="bench-")
+                     .values_list("user_id", flat=True))
+        reconnecting(lambda t=tenant, u=users: purge_tenant(t.pk, u))
+        gone.append(tenant.slug)
+    return gone
 
 
 def _t(model: Any) -> str:
@@ -266,7 +365,11 @@ def _ids(sql: str, params: list[Any]) -> list[int]:
         return [row[0] for row in cursor.fetchall()]
 
 
-def purge_kicks(task_ids: set[int], run_ids: set[int], *, funcs: Sequence[str] = ()) -> int:
+GENERIC_JOBS = ("tasks.jobs.sweep", "chat.jobs.sweep")
+
+
+def purge_kicks(task_ids: set[int], run_ids: set[int], *, funcs: Sequence[str] = (),
+                task_arg_zero: bool = False) -> int:
     """Broker rows that name our tasks or runs (or run one of `funcs`); kicks are signed, so they are read one by one."""
     from django_q.models import OrmQ
     from django_q.signing import SignedPackage
@@ -284,7 +387,8 @@ def purge_kicks(task_ids: set[int], run_ids: set[int], *, funcs: Sequence[str] =
         elif func == "chat.jobs.run_agent":
             if arg in run_ids:
                 doomed.append(pk)
-        elif isinstance(func, str) and func.startswith("tasks.jobs.") and arg in task_ids:
+        elif isinstance(func, str) and func.startswith("tasks.jobs.") and (
+                arg in task_ids or (task_arg_zero and arg == 0)):
             doomed.append(pk)
     for start in range(0, len(doomed), 5000):
         OrmQ.objects.filter(pk__in=doomed[start:start + 5000]).delete()
@@ -308,9 +412,18 @@ def log_dir(name: str) -> Path:
     return path
 
 
-def qcluster(name: str, *, workers: int, **env: str):
-    """A real `manage.py qcluster` against this database (tests/processes.py), stopped with SIGTERM on exit."""
-    return processes.qcluster(log_dir(name), workers=workers, **env)
+@contextmanager
+def qcluster(name: str, *, workers: int, **env: str) -> Iterator[processes.Process]:
+    """A real `manage.py qcluster` against this database (tests/processes.py), stopped with SIGTERM on exit.
+
+    Afterwards the broker rows it left that name no task (a sweep it had taken when it stopped,
+    the sweeper's gateway kick) are removed too: the next cluster's schedule makes new ones.
+    """
+    try:
+        with processes.qcluster(log_dir(name), workers=workers, **env) as cluster:
+            yield cluster
+    finally:
+        reconnecting(lambda: purge_kicks(set(), set(), funcs=GENERIC_JOBS, task_arg_zero=True))
 
 
 def daphne(name: str, **env: str):
@@ -320,10 +433,15 @@ def daphne(name: str, **env: str):
 def wait_until(predicate: Callable[[], bool], *, timeout: float, interval: float = 0.05,
                message: str = "condition") -> float:
     """Poll a condition another process makes true; returns the time.time() it was seen true."""
+    from django.db import InterfaceError, OperationalError
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return time.time()
+        try:
+            if predicate():
+                return time.time()
+        except (OperationalError, InterfaceError):  # the database restarted under us; keep looking
+            connection.close()
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout:g} s waiting for {message}")
 

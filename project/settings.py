@@ -101,7 +101,8 @@ if REDIS_URL:
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [REDIS_URL]},
+            # redis-py's 5 s default read timeout equals channels_redis's blocking read and kills idle consumers.
+            "CONFIG": {"hosts": [{"address": REDIS_URL, "socket_timeout": 10}]},
         }
     }
 else:
@@ -218,6 +219,8 @@ LONGHAUL_SOURCE_MAX_AGE_SECONDS = envint("LONGHAUL_SOURCE_MAX_AGE_SECONDS", 24 *
 LONGHAUL_AGING_SECONDS = envfloat("LONGHAUL_AGING_SECONDS", 60.0, minimum=1.0)  # one priority point per this long queued
 LONGHAUL_METRICS_TOKEN = envstr("LONGHAUL_METRICS_TOKEN")  # bearer token for /metrics; empty: staff sessions only
 LONGHAUL_METRICS_LONG_WAIT_SECONDS = envfloat("LONGHAUL_METRICS_LONG_WAIT_SECONDS", 300.0, minimum=1.0)
+LONGHAUL_STREAM_POLL_S = envfloat("LONGHAUL_STREAM_POLL_S", 1.0, minimum=0.01)  # stream fallback without Redis
+LONGHAUL_STREAM_SAFETY_POLL_S = envfloat("LONGHAUL_STREAM_SAFETY_POLL_S", 15.0, minimum=0.01)  # with Redis
 LONGHAUL_ALERT_EMAIL = envbool("LONGHAUL_ALERT_EMAIL", False)
 LONGHAUL_NOTIFIER = envstr("LONGHAUL_NOTIFIER", "chat.notify.deliver")
 

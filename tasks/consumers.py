@@ -4,6 +4,7 @@ Thin: parse the cursor, authorize by session, open the stream, and hand it to a
 Follower (tasks/streams.py) that sends every item after the cursor and follows live.
 Protocol: each item is one JSON text frame with a `seq` cursor; `{"type": "end", ...}`
 says the subject ended and everything so far was sent. Close codes are streams.CloseCode.
+`?tenant=<slug>` picks the tenant for a user in several, as X-Longhaul-Tenant does in the API.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tasks.streams import (
 
 log = logging.getLogger(__name__)
 MAX_CURSOR = 2**62
+WAKEUP_TYPES = frozenset({"task.wakeup", "thread.wakeup"})
 
 
 def parse_cursor(params: dict[str, list[str]]) -> int | None:
@@ -77,10 +79,13 @@ class StreamConsumer(AsyncWebsocketConsumer):
         self.groups.append(stream.group)  # websocket_disconnect discards it
         self.stream = stream
         self.follower = Follower(
-            read=shared_reader(stream, database_sync_to_async(stream.read_after)), send=self.send_message,
+            read=shared_reader(stream, database_sync_to_async(stream.read_after)),
+            send=self.send_message,
             cursor=cursor,
-            poll_s=poll_interval(self.channel_layer), initial_end=stream.initial_end(cursor),
-            batch_size=self.batch_size, max_batches_behind=self.max_batches_behind,
+            poll_s=poll_interval(self.channel_layer),
+            initial_end=stream.initial_end(cursor),
+            batch_size=self.batch_size,
+            max_batches_behind=self.max_batches_behind,
         )
         self.follow_task = asyncio.create_task(self._run_follower())
 
@@ -95,14 +100,20 @@ class StreamConsumer(AsyncWebsocketConsumer):
     async def send_message(self, message: Message) -> None:
         await self.send(text_data=json.dumps(message, cls=DjangoJSONEncoder))
 
-    async def stream_wakeup(self, message: Message) -> None:
+    async def dispatch(self, message: Message) -> None:
+        # Channels runs close_old_connections in the database thread before every handler;
+        # a wake-up touches no database (the follower's reads clean up for themselves), and
+        # that hop per subscriber per commit is what would crowd out the reads themselves.
+        if message["type"] in WAKEUP_TYPES:
+            self.stream_wakeup(message)
+        else:
+            await super().dispatch(message)
+
+    def stream_wakeup(self, message: Message) -> None:
         """A channel-layer hint that the stream may have new items."""
         follower = getattr(self, "follower", None)
-        if follower is not None and self.stream.is_news(message, follower.cursor):
-            follower.wake()
-
-    task_wakeup = stream_wakeup
-    thread_wakeup = stream_wakeup
+        if follower is not None:
+            follower.wake(self.stream.announced_seq(message))
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         """Clients send nothing; frames are ignored rather than answered."""

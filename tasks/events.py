@@ -44,7 +44,8 @@ def append(task: Task, events: list[NewEvent], *, status: str, at: datetime) -> 
     )
     task.last_event_seq = last
     public_id = task.public_id
-    transaction.on_commit(lambda: wake_subscribers(public_id, last))
+    thread_public_id = task.thread.public_id if task.thread_id else None
+    transaction.on_commit(lambda: wake_subscribers(public_id, last, thread_public_id=thread_public_id))
     return last
 
 
@@ -52,9 +53,15 @@ def task_group(public_id: object) -> str:
     return f"task-{public_id}"
 
 
-def wake_subscribers(public_id: object, seq: int) -> None:
+def thread_group(public_id: object) -> str:
+    return f"thread-{public_id}"
+
+
+def wake_subscribers(public_id: object, seq: int, *, thread_public_id: object | None = None) -> None:
     """A hint to stream consumers that events up to `seq` exist; they read them from the database."""
     wake_group(task_group(public_id), seq=seq)
+    if thread_public_id is not None:
+        wake_group(thread_group(thread_public_id))  # the thread stream reads fresh; seq means nothing there
 
 
 def wake_group(group: str, *, seq: int = 0) -> None:

@@ -9,7 +9,6 @@ The consumers in tasks/consumers.py authorize, open a stream and run a Follower.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import uuid
 import weakref
 from collections.abc import Awaitable, Callable
@@ -23,7 +22,7 @@ from django.core.exceptions import ImproperlyConfigured
 from channels.layers import BaseChannelLayer, InMemoryChannelLayer
 
 from project.env import envfloat
-from tasks.events import task_group
+from tasks.events import task_group, thread_group
 from tasks.models import Membership, Task, TaskEvent
 from tasks.serializers import EventSerializer
 from tasks.statuses import TERMINAL
@@ -68,8 +67,8 @@ class Stream(Protocol):
     def read_after(self, cursor: int, limit: int) -> Batch:
         """At most `limit` items with seq > cursor, in order (synchronous: it queries the database)."""
 
-    def is_news(self, wakeup: Message, cursor: int) -> bool:
-        """Whether a wake-up may announce items after `cursor` (a cheap filter; when unsure, True)."""
+    def announced_seq(self, wakeup: Message) -> int | None:
+        """The cursor a wake-up says exists in the database, or None when it does not say."""
 
 
 # --- the task stream -------------------------------------------------------------
@@ -131,10 +130,9 @@ class TaskStream:
         end = end_message(last["task__status"], last["task__result_version"]) if ended else None
         return Batch(list(EventSerializer(rows, many=True).data), end)
 
-    def is_news(self, wakeup: Message, cursor: int) -> bool:
-        # Several commits in a row wake us several times; one read usually covers them all.
-        seq = wakeup.get("seq")
-        return not isinstance(seq, int) or seq > cursor
+    def announced_seq(self, wakeup: Message) -> int | None:
+        seq = wakeup.get("seq")  # tasks.events.wake_subscribers: the last seq of the commit
+        return seq if isinstance(seq, int) else None
 
 
 # --- the thread stream -----------------------------------------------------------
@@ -145,11 +143,6 @@ STATUS_CHANGE_KINDS = frozenset({
     "queued", "admitted", "recovered", "retrying", "retry_scheduled", "paused", "partial",
     "succeeded", "failed", "cancelled", "cancel_requested", "pause_requested",
 })
-
-
-def thread_group(public_id: object) -> str:
-    """The group woken when a thread's stream has news (mirrors tasks.events.task_group)."""
-    return f"thread-{public_id}"
 
 
 @dataclass(frozen=True)
@@ -195,8 +188,8 @@ class ThreadStream:
             items.append({**event, "seq": row["id"], "task": str(row["task__public_id"]), "task_seq": row["seq"]})
         return Batch(items)
 
-    def is_news(self, wakeup: Message, cursor: int) -> bool:
-        return True
+    def announced_seq(self, wakeup: Message) -> int | None:
+        return None  # a thread wake-up names no TaskEvent.id
 
 
 # --- following a stream ----------------------------------------------------------
@@ -223,26 +216,28 @@ def poll_interval(layer: BaseChannelLayer | None) -> float:
     return _seconds_setting("LONGHAUL_STREAM_SAFETY_POLL_S", 15.0)
 
 
-ReadBatch = Callable[[int, int], Awaitable[Batch]]
+# (cursor, limit, fresh) -> Batch; fresh: the read must begin after the call.
+ReadBatch = Callable[[int, int, bool], Awaitable[Batch]]
 SendMessage = Callable[[Message], Awaitable[None]]
 ReadKey = tuple[str, int, int]
 
 
 class SharedReads:
-    """Followers of one stream at one cursor share a database read.
+    """Followers of one stream at one cursor share database reads.
 
     One commit wakes every subscriber of a task in this process; without sharing, each
-    would run the same query. A read is joined only while it has not started, so every
-    follower's read begins after its wake-up arrived and sees the commit behind it: at
-    most one read per key runs, and at most one waits behind it for all comers.
+    would run the same query. A fresh read joins only a read that has not begun, so it
+    sees every commit made before it was asked for; other reads also join a running one.
+    Per key, at most one read runs and at most one waits behind it for all comers.
     """
 
     def __init__(self) -> None:
         self._running: dict[ReadKey, asyncio.Task[Batch]] = {}
         self._queued: dict[ReadKey, asyncio.Task[Batch]] = {}
 
-    async def read(self, key: ReadKey, read: Callable[[], Awaitable[Batch]]) -> Batch:
-        task = self._queued.get(key)
+    async def read(self, key: ReadKey, read: Callable[[], Awaitable[Batch]], *, fresh: bool) -> Batch:
+        task = None if fresh else self._running.get(key)
+        task = task or self._queued.get(key)
         if task is None:
             task = asyncio.ensure_future(self._read(key, self._running.get(key), read))
             self._queued[key] = task
@@ -253,7 +248,7 @@ class SharedReads:
                     ) -> Batch:
         if after is not None:
             await asyncio.wait({after})
-        self._running[key] = self._queued.pop(key)  # started: later comers queue behind it
+        self._running[key] = self._queued.pop(key)  # begun: fresh comers queue behind it
         try:
             return await read()
         finally:
@@ -263,12 +258,12 @@ class SharedReads:
 _shared_reads: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, SharedReads] = weakref.WeakKeyDictionary()
 
 
-def shared_reader(stream: Stream, read: ReadBatch) -> ReadBatch:
-    """`read` for one follower of `stream`, sharing reads with this event loop's other followers."""
+def shared_reader(stream: Stream, read: Callable[[int, int], Awaitable[Batch]]) -> ReadBatch:
+    """`read` for one follower of `stream`, shared with this event loop's other followers of it."""
     shared = _shared_reads.setdefault(asyncio.get_running_loop(), SharedReads())
 
-    async def read_shared(cursor: int, limit: int) -> Batch:
-        return await shared.read((stream.group, cursor, limit), lambda: read(cursor, limit))
+    async def read_shared(cursor: int, limit: int, fresh: bool) -> Batch:
+        return await shared.read((stream.group, cursor, limit), lambda: read(cursor, limit), fresh=fresh)
 
     return read_shared
 
@@ -279,6 +274,8 @@ class Follower:
 
     One reader at a time: wake-ups only set an event that the single `run` loop waits
     on, so wake-ups that arrive together cause one read, never two overlapping sends.
+    A wake-up that names its seq lets the follower join a read already under way and
+    skip reads it does not need; one that does not, or the poll timer, asks for a fresh one.
 
     Back-pressure: daphne gives an application no signal of a slow socket (sending never
     blocks and the transport's buffer is out of reach), so the follower bounds what it
@@ -297,10 +294,18 @@ class Follower:
     batch_size: int = BATCH_SIZE
     max_batches_behind: int = MAX_BATCHES_BEHIND
     _wake: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _fresh: bool = field(default=True, init=False)  # the next read must begin after now
+    _announced: int = field(default=0, init=False)  # the highest seq a wake-up said exists
     _end_sent: Message | None = field(default=None, init=False)
 
-    def wake(self) -> None:
+    def wake(self, seq: int | None = None) -> None:
         """Ask for a read soon; any number of calls before it costs one read."""
+        if seq is None:
+            self._fresh = True
+        elif seq <= self.cursor:
+            return  # several commits in a row wake us several times; one read covered them
+        else:
+            self._announced = max(self._announced, seq)
         self._wake.set()
 
     async def run(self) -> CloseCode:
@@ -311,16 +316,25 @@ class Follower:
             self._wake.clear()  # before reading: a wake-up during the read triggers another one
             if not await self.catch_up():
                 return CloseCode.TOO_FAR_BEHIND
+            if self._announced > self.cursor:
+                # The read joined began before that commit: one more, fresh, then rely on the poll.
+                self._announced, self._fresh = 0, True
+                continue
+            if not self._fresh:
+                self._wake.clear()  # wake-ups during the read named seqs it has now sent
             # asyncio.timeout, not wait_for: on 3.11 wait_for swallows a cancel that races
             # with a wake-up, and a disconnected client's follower would live on.
-            with contextlib.suppress(TimeoutError):
+            try:
                 async with asyncio.timeout(self.poll_s):
                     await self._wake.wait()
+            except TimeoutError:
+                self._fresh = True
 
     async def catch_up(self) -> bool:
         """Send everything after the cursor; False if that took more than max_batches_behind full batches."""
         for _ in range(self.max_batches_behind):
-            batch = await self.read(self.cursor, self.batch_size)
+            fresh, self._fresh = self._fresh, False
+            batch = await self.read(self.cursor, self.batch_size, fresh)
             for item in batch.items:
                 await self.send(item)
                 self.cursor = item["seq"]

@@ -3,6 +3,7 @@ pointed at the test database of the running test session."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -80,16 +81,18 @@ class Process:
         return found
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int | None:
+        """Signal the main process (a qcluster's guard then stops its workers itself), then make sure
+        nothing of the group is left."""
         if self.popen.poll() is None:
-            try:
-                os.killpg(self.pid, sig)
-            except ProcessLookupError:
-                pass
+            self.popen.send_signal(sig)
             try:
                 self.popen.wait(timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(self.pid, signal.SIGKILL)
-                self.popen.wait(10)
+                pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(10)
         self._log.close()
         return self.popen.returncode
 

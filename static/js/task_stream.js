@@ -116,6 +116,7 @@ export function openStream(path, { after = 0, onEvent = () => {}, onEnd = () => 
       let more = false;
       try {
         const page = await poll(cursor);
+        if (stopped) return;
         page.items.forEach(handle);
         if (page.end) handle(page.end);
         more = page.items.length >= POLL_LIMIT;

@@ -185,7 +185,7 @@ async def test_it_streams_a_task_the_runtime_runs_to_the_end(acme, alice, alice_
 async def test_a_lost_wakeup_only_delays_an_event_until_the_next_poll(acme, alice, alice_cookie, settings,
                                                                      monkeypatch):
     settings.LONGHAUL_STREAM_POLL_S = 0.1
-    monkeypatch.setattr(events, "wake_subscribers", lambda public_id, seq: None)
+    monkeypatch.setattr(events, "wake_subscribers", lambda *args, **kwargs: None)
     task = await database_sync_to_async(make_task)(acme, alice, status=TaskStatus.RUNNING)
     comm = await connected(stream(task_path(task), alice_cookie))
     await database_sync_to_async(append_events)(task, 3)
@@ -230,7 +230,7 @@ class Writer(threading.Thread):
         finally:
             connection.close()
 
-    def wake(self, public_id: object, seq: int) -> None:
+    def wake(self, public_id: object, seq: int, **_: object) -> None:
         """The wake-up another process would send through a cross-process layer."""
         layer = get_channel_layer()
         message = {"type": "task.wakeup", "seq": seq}
@@ -279,6 +279,19 @@ async def test_a_tenant_admin_may_watch_every_task_of_the_tenant(finished_task, 
     admin = await database_sync_to_async(make_user)("dora", acme, role=Membership.Role.ADMIN)
     cookie = await database_sync_to_async(session_cookie)(admin)
     comm = await connected(stream(task_path(finished_task), cookie))
+    assert (await frame(comm))["seq"] == 1
+    await comm.disconnect()
+
+
+async def test_a_member_of_two_tenants_names_the_one_they_act_for(acme, globex, charlie):
+    await database_sync_to_async(Membership.objects.create)(user=charlie, tenant=acme)
+    task = await database_sync_to_async(make_task)(acme, charlie, status=TaskStatus.RUNNING)
+    cookie = await database_sync_to_async(session_cookie)(charlie)
+    comm = await connected(stream(task_path(task), cookie))
+    assert await frame(comm) == {"closed": CloseCode.NOT_FOUND}, "globex, the oldest membership, is the default"
+    await comm.disconnect()
+    comm = await connected(stream(f"{task_path(task)}&tenant=acme", cookie))
+    await database_sync_to_async(append_events)(task, 1)
     assert (await frame(comm))["seq"] == 1
     await comm.disconnect()
 

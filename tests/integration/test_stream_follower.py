@@ -15,23 +15,25 @@ class FakeStream:
     def __init__(self, count: int = 0, *, end_after: int | None = None) -> None:
         self.items: list[Message] = [{"seq": n} for n in range(1, count + 1)]
         self.end_after = end_after
-        self.reads: list[int] = []
+        self.reads: list[tuple[int, bool]] = []
         self.reading = 0
         self.overlapped = False
         self.gate: asyncio.Event | None = None  # when set, each read waits on it
+        self.stale_upto: int | None = None  # what a read that began earlier (not fresh) could see
 
     def add(self, count: int) -> None:
         start = len(self.items) + 1
         self.items += [{"seq": n} for n in range(start, start + count)]
 
-    async def read(self, cursor: int, limit: int) -> Batch:
+    async def read(self, cursor: int, limit: int, fresh: bool) -> Batch:
         self.reading += 1
         self.overlapped |= self.reading > 1
-        self.reads.append(cursor)
+        self.reads.append((cursor, fresh))
         try:
             if self.gate is not None:
                 await self.gate.wait()
-            items = [item for item in self.items if item["seq"] > cursor][:limit]
+            visible = self.items if fresh or self.stale_upto is None else self.items[:self.stale_upto]
+            items = [item for item in visible if item["seq"] > cursor][:limit]
             ended = self.end_after is not None and items and items[-1]["seq"] == self.end_after
             return Batch(items, {"type": "end", "status": "succeeded", "result_version": 1} if ended else None)
         finally:
@@ -82,7 +84,31 @@ async def test_a_burst_of_wakeups_costs_one_read():
     await asyncio.sleep(0)  # let the loop return to waiting, had it wanted a third read
     await stop(task)
     assert client.seqs == [1, 2, 3, 4, 5]
-    assert stream.reads == [0, 2]
+    assert stream.reads == [(0, True), (2, True)]
+
+
+async def test_a_wakeup_for_what_was_already_sent_costs_no_read():
+    stream, client = FakeStream(3), Client()
+    follower, task = follow(stream, client)
+    await client.until(3)
+    follower.wake(2)
+    follower.wake(3)
+    await asyncio.sleep(0)
+    await stop(task)
+    assert stream.reads == [(0, True)]
+
+
+async def test_a_wakeup_naming_its_seq_may_join_a_read_under_way_and_reads_fresh_if_that_missed_it():
+    stream, client = FakeStream(1), Client()
+    follower, task = follow(stream, client)
+    await client.until(1)
+    stream.add(2)
+    stream.stale_upto = 2  # a read under way began after seq 2 committed and before seq 3 did
+    follower.wake(3)
+    await client.until(3)  # the follower read again, fresh, without waiting for the poll
+    await stop(task)
+    assert stream.reads[1:] == [(1, False), (2, True)]
+    assert client.seqs == [1, 2, 3]
 
 
 async def test_a_wakeup_during_a_read_causes_one_more_read_never_an_overlapping_one():
@@ -98,7 +124,7 @@ async def test_a_wakeup_during_a_read_causes_one_more_read_never_an_overlapping_
     await stop(task)
     assert client.seqs == [1, 2, 3]
     assert not stream.overlapped
-    assert len(stream.reads) == 2
+    assert stream.reads == [(0, True), (3, True)]
 
 
 async def test_it_asks_a_client_too_far_behind_to_reconnect_after_the_items_it_sent():
@@ -174,7 +200,7 @@ class CountingReads:
 
 async def test_followers_at_the_same_cursor_share_one_read():
     shared, db = SharedReads(), CountingReads()
-    reads = [asyncio.create_task(shared.read(("task-x", 0, 200), db.read)) for _ in range(10)]
+    reads = [asyncio.create_task(shared.read(("task-x", 0, 200), db.read, fresh=True)) for _ in range(10)]
     await asyncio.sleep(0)
     db.gate.set()
     batches = await asyncio.wait_for(asyncio.gather(*reads), WAIT)
@@ -182,13 +208,17 @@ async def test_followers_at_the_same_cursor_share_one_read():
     assert all(batch.items == [{"seq": 1}] for batch in batches)
 
 
-async def test_a_read_asked_for_during_a_running_one_starts_after_it():
+async def started(db: CountingReads, count: int) -> None:
+    while db.started < count:
+        await asyncio.sleep(0)
+
+
+async def test_a_fresh_read_asked_for_during_a_running_one_starts_after_it():
     # The running read may have begun before the commit that woke the newcomer: it must not be joined.
     shared, db = SharedReads(), CountingReads()
-    first = asyncio.create_task(shared.read(("task-x", 0, 200), db.read))
-    while db.started == 0:
-        await asyncio.sleep(0)
-    later = [asyncio.create_task(shared.read(("task-x", 0, 200), db.read)) for _ in range(5)]
+    first = asyncio.create_task(shared.read(("task-x", 0, 200), db.read, fresh=True))
+    await started(db, 1)
+    later = [asyncio.create_task(shared.read(("task-x", 0, 200), db.read, fresh=True)) for _ in range(5)]
     await asyncio.sleep(0)
     db.gate.set()
     assert (await asyncio.wait_for(first, WAIT)).items == [{"seq": 1}]
@@ -196,10 +226,20 @@ async def test_a_read_asked_for_during_a_running_one_starts_after_it():
     assert db.started == 2
 
 
+async def test_a_read_that_need_not_be_fresh_joins_the_running_one():
+    shared, db = SharedReads(), CountingReads()
+    first = asyncio.create_task(shared.read(("task-x", 0, 200), db.read, fresh=True))
+    await started(db, 1)
+    joined = asyncio.create_task(shared.read(("task-x", 0, 200), db.read, fresh=False))
+    db.gate.set()
+    assert (await asyncio.wait_for(joined, WAIT)).items == (await first).items == [{"seq": 1}]
+    assert db.started == 1
+
+
 async def test_a_follower_that_leaves_does_not_cancel_a_read_others_wait_for():
     shared, db = SharedReads(), CountingReads()
-    leaving = asyncio.create_task(shared.read(("task-x", 0, 200), db.read))
-    staying = asyncio.create_task(shared.read(("task-x", 0, 200), db.read))
+    leaving = asyncio.create_task(shared.read(("task-x", 0, 200), db.read, fresh=True))
+    staying = asyncio.create_task(shared.read(("task-x", 0, 200), db.read, fresh=True))
     await asyncio.sleep(0)
     leaving.cancel()
     db.gate.set()
@@ -210,6 +250,6 @@ async def test_a_follower_that_leaves_does_not_cancel_a_read_others_wait_for():
 async def test_reads_at_other_cursors_are_not_shared():
     shared, db = SharedReads(), CountingReads()
     db.gate.set()
-    await asyncio.gather(shared.read(("task-x", 0, 200), db.read), shared.read(("task-x", 5, 200), db.read),
-                         shared.read(("task-y", 0, 200), db.read))
+    await asyncio.gather(*(shared.read(key, db.read, fresh=True)
+                           for key in [("task-x", 0, 200), ("task-x", 5, 200), ("task-y", 0, 200)]))
     assert db.started == 3

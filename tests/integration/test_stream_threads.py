@@ -77,8 +77,7 @@ def someone_elses_cookie(request) -> bytes:
 
 
 async def test_it_closes_with_4404_for_someone_elses_thread(thread, someone_elses_cookie):
-    cookie = someone_elses_cookie
-    comm = await connected(stream(thread_path(thread), cookie))
+    comm = await connected(stream(thread_path(thread), someone_elses_cookie))
     assert await frame(comm) == {"closed": CloseCode.NOT_FOUND}
     await comm.disconnect()
 
