@@ -57,19 +57,19 @@ class StreamConsumer(AsyncWebsocketConsumer):
         await self.accept()
         user = self.scope.get("user")
         if not getattr(user, "is_authenticated", False):
-            await self.close(CloseCode.UNAUTHENTICATED)
+            await self.close(int(CloseCode.UNAUTHENTICATED))
             return
         params = parse_qs(self.scope.get("query_string", b"").decode("latin1"))
         cursor = parse_cursor(params)
         if cursor is None:
-            await self.close(CloseCode.BAD_REQUEST)
+            await self.close(int(CloseCode.BAD_REQUEST))
             return
         # Browsers cannot set headers on a WebSocket: `tenant` plays the API's X-Longhaul-Tenant.
         tenant_slug = params.get("tenant", [None])[-1]
         public_id = self.scope["url_route"]["kwargs"][self.subject_kwarg]
         stream = await database_sync_to_async(self.open_stream)(user, public_id, tenant_slug=tenant_slug)
         if stream is None:
-            await self.close(CloseCode.NOT_FOUND)
+            await self.close(int(CloseCode.NOT_FOUND))
             return
         await self._follow(stream, cursor)
 
@@ -95,7 +95,7 @@ class StreamConsumer(AsyncWebsocketConsumer):
         except Exception:
             log.exception("stream %s failed", self.stream.group)
             code = CloseCode.INTERNAL_ERROR
-        await self.close(code)
+        await self.close(int(code))  # autobahn refuses an IntEnum: it would send 1011
 
     async def send_message(self, message: Message) -> None:
         await self.send(text_data=json.dumps(message, cls=DjangoJSONEncoder))

@@ -44,7 +44,7 @@ class CloseCode(IntEnum):
     NOT_FOUND = 4404
     # "Reconnect with your last seq": the client fell too far behind; it loses nothing.
     TOO_FAR_BEHIND = 4429
-    INTERNAL_ERROR = 1011
+    INTERNAL_ERROR = 4500  # autobahn lets an application send only 1000 or 3000-4999
 
 
 @dataclass(frozen=True)
