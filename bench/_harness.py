@@ -231,15 +231,13 @@ class Report:
         return "\n".join(out)
 
     def summary(self) -> str:
-        """One line for BENCHMARKS.md's overview."""
+        """One line for BENCHMARKS.md's overview: what was measured, each target and its verdict."""
         judged = [t for t in self.targets if t.met is not None]
         if not judged:
-            verdict = "no target"
-        elif all(t.met for t in judged):
-            verdict = "all targets met"
-        else:
-            verdict = "NOT met: " + "; ".join(t.goal for t in judged if not t.met)
-        return f"**{self.name}**: {self.what.split('.')[0]}. {verdict}."
+            return f"**{self.name}** ({self.title}): no target; see below."
+        verdict = "all targets met" if all(t.met for t in judged) else "NOT all targets met"
+        detail = "; ".join(f"{t.goal}: {t.measured} ({t.verdict})" for t in judged)
+        return f"**{self.name}** ({self.title}): {verdict}. {detail}."
 
 
 def table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
@@ -370,7 +368,9 @@ GENERIC_JOBS = ("tasks.jobs.sweep", "chat.jobs.sweep")
 
 def purge_kicks(task_ids: set[int], run_ids: set[int], *, funcs: Sequence[str] = (),
                 task_arg_zero: bool = False) -> int:
-    """Broker rows that name our tasks or runs (or run one of `funcs`); kicks are signed, so they are read one by one."""
+    """Delete the broker rows that name our tasks or runs (or run one of `funcs`).
+
+    Kicks are signed pickles, so they are read one by one."""
     from django_q.models import OrmQ
     from django_q.signing import SignedPackage
 

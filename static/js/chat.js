@@ -1,22 +1,29 @@
-// The chat page: the task panel, the thread drawer on small screens, and the composer.
+// The chat page: wires the thread list, the conversation, the composer and the task
+// panel together, and owns the page-level things (drawers, the heading, the address bar).
+
+import { Composer } from "./composer.js";
+import { TaskPanel } from "./task_panel.js";
+import { ThreadList } from "./thread_list.js";
+import { ThreadView } from "./thread_view.js";
 
 const app = document.getElementById("app");
 const panel = document.getElementById("task-panel");
 const panelToggle = document.getElementById("panel-toggle");
-const panelClose = document.getElementById("panel-close");
 const threadsToggle = document.getElementById("threads-toggle");
 const scrim = document.getElementById("scrim");
-const badge = document.getElementById("task-count");
-const composer = document.getElementById("composer");
+const heading = document.getElementById("thread-heading");
 const input = document.getElementById("composer-input");
+const narrowPanel = window.matchMedia("(max-width: 1099.98px)");
+
+// --- drawers ---------------------------------------------------------------------------
 
 /** Open or close the task panel, keeping aria-expanded and focus in step. */
-function setPanelOpen(open, { restoreFocus = true } = {}) {
+function setPanelOpen(open, { restoreFocus = true, focusPanel = true } = {}) {
   panel.hidden = !open;
   panelToggle.setAttribute("aria-expanded", String(open));
   app.toggleAttribute("data-panel-open", open);
   if (open) {
-    panel.focus();
+    if (focusPanel) panel.focus();
   } else if (restoreFocus) {
     panelToggle.focus();
   }
@@ -26,24 +33,11 @@ function setPanelOpen(open, { restoreFocus = true } = {}) {
 function setThreadsOpen(open) {
   threadsToggle.setAttribute("aria-expanded", String(open));
   app.toggleAttribute("data-threads-open", open);
-  if (open) {
-    document.getElementById("new-thread").focus();
-  }
-}
-
-/** Show the number of active tasks; the badge hides at zero. */
-export function setActiveCount(count) {
-  badge.querySelector("[data-count]").textContent = String(count);
-  badge.hidden = count === 0;
-}
-
-/** Announce a progress update politely to screen readers. */
-export function announce(text) {
-  document.getElementById("task-live").textContent = text;
+  if (open) document.getElementById("new-thread").focus();
 }
 
 panelToggle.addEventListener("click", () => setPanelOpen(panel.hidden));
-panelClose.addEventListener("click", () => setPanelOpen(false));
+document.getElementById("panel-close").addEventListener("click", () => setPanelOpen(false));
 threadsToggle.addEventListener("click", () => setThreadsOpen(!app.hasAttribute("data-threads-open")));
 document.getElementById("threads-close").addEventListener("click", () => {
   setThreadsOpen(false);
@@ -55,7 +49,7 @@ scrim.addEventListener("click", () => {
 });
 
 document.addEventListener("keydown", (event) => {
-  if (event.key !== "Escape" || event.defaultPrevented) return;
+  if (event.key !== "Escape" || event.defaultPrevented || document.querySelector("dialog[open]")) return;
   if (!panel.hidden) {
     setPanelOpen(false);
   } else if (app.hasAttribute("data-threads-open")) {
@@ -64,39 +58,102 @@ document.addEventListener("keydown", (event) => {
   }
 });
 
-// The composer grows with its text up to the CSS max-height; empty, it is one line.
-function fitComposer() {
-  input.style.height = "";
-  if (input.value) input.style.height = `${input.scrollHeight}px`;
-}
-input.addEventListener("input", fitComposer);
+// --- the parts -------------------------------------------------------------------------
 
-// Enter sends, Shift+Enter keeps a new line (the convention of chat apps).
-input.addEventListener("keydown", (event) => {
-  if (event.key === "Enter" && !event.shiftKey && !event.isComposing) {
-    event.preventDefault();
-    composer.requestSubmit();
-  }
+function showTitle(title) {
+  heading.textContent = title;
+  heading.closest(".conversation-head").hidden = false;
+  document.title = `${title} · ${app.dataset.tenantName} · Longhaul`;
+}
+
+const composer = new Composer({
+  form: document.getElementById("composer"),
+  input,
+  button: document.getElementById("send"),
+  status: document.getElementById("composer-status"),
+  send: (text, key) => conversation.send(text, key),
 });
 
-// Chat runs are not wired yet: a send is announced as an event for the code that
-// will post it, and never leaves the page.
-composer.addEventListener("submit", (event) => {
-  event.preventDefault();
-  const text = input.value.trim();
-  if (!text) return;
-  composer.dispatchEvent(new CustomEvent("longhaul:send", { detail: { text } }));
+const tasks = new TaskPanel({
+  panel,
+  badge: document.getElementById("task-count"),
+  live: document.getElementById("task-live"),
+  onTaskNews: (taskId) => conversation.expectNotice(taskId),
+  findReport: (taskId) => conversation.findReport(taskId),
+  onShowReport: (message) => {
+    if (narrowPanel.matches) setPanelOpen(false, { restoreFocus: false });
+    conversation.highlight(message);
+  },
+});
+
+const threads = new ThreadList({
+  list: document.getElementById("thread-list"),
+  empty: document.getElementById("threads-empty"),
+  error: document.getElementById("thread-list-error"),
+  dialog: document.getElementById("delete-dialog"),
+  onRenamed: (id, title) => {
+    if (id === app.dataset.threadId) showTitle(title);
+  },
+  onDeleted: (id) => {
+    if (id === app.dataset.threadId) location.assign("/");
+  },
+});
+
+const conversation = new ThreadView({
+  threadId: app.dataset.threadId,
+  conversation: document.getElementById("conversation"),
+  messages: document.getElementById("messages"),
+  state: document.getElementById("conversation-state"),
+  connection: document.getElementById("connection"),
+  welcome: document.getElementById("welcome"),
+  callbacks: {
+    onBusy: (busy) => composer.setBusy(busy),
+    onStreamItem: (item) => tasks.noteThreadEvent(item),
+    onReconnected: () => tasks.refresh({ force: true }),
+    onThreadCreated: (thread) => {
+      // The first message on "/" made a thread: this page becomes that thread's page.
+      app.dataset.threadId = thread.id;
+      history.pushState({ thread: thread.id }, "", `/t/${thread.id}/`);
+      threads.add({ id: thread.id, title: thread.title });
+      showTitle(thread.title || "Untitled thread");
+      conversation.adoptThread(thread.id);
+      tasks.setThread(thread.id);
+    },
+    onTaskMessage: (taskId) => tasks.noteTaskMessage(taskId),
+    onShowTask: async (taskId) => {
+      setPanelOpen(true, { focusPanel: false });
+      if (!tasks.reveal(taskId)) {
+        await tasks.refresh({ force: true });
+        if (!tasks.reveal(taskId)) panel.focus();
+      }
+    },
+  },
 });
 
 for (const button of document.querySelectorAll(".suggestion")) {
-  button.addEventListener("click", () => {
-    input.value = button.dataset.prompt;
-    fitComposer();
-    input.focus();
-  });
+  button.addEventListener("click", () => composer.fill(button.dataset.prompt));
 }
 
 document.getElementById("new-thread").addEventListener("click", () => {
-  setThreadsOpen(false);
-  input.focus();
+  if (app.dataset.threadId) {
+    location.assign("/");
+  } else {
+    setThreadsOpen(false);
+    input.focus();
+  }
 });
+
+// Back from a thread the page itself created: show the page for that address.
+window.addEventListener("popstate", () => location.reload());
+
+// --- start -----------------------------------------------------------------------------
+
+if (app.dataset.threadId) {
+  // The stream opens once messages and tasks are loaded: what it replays can then be told
+  // apart from what is new.
+  await Promise.all([conversation.start(), tasks.setThread(app.dataset.threadId)]);
+  composer.setReady();
+  conversation.openStream();
+} else {
+  composer.setReady();
+}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,8 @@ from typing import Any
 import pytest
 from django.conf import global_settings
 
-from tests.processes import ROOT, daphne
+from tests.e2e.chat_page import stop_everything_running
+from tests.processes import ROOT, Process, child_env, daphne
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests
 # make around it are still plain synchronous calls.
@@ -42,11 +44,46 @@ def _real_password_hashers(settings) -> None:
     settings.PASSWORD_HASHERS = global_settings.PASSWORD_HASHERS
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
+def cheap_passwords(settings) -> None:
+    """For tests that sign in with a session cookie: no password is checked, so hash the cheap way."""
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+@pytest.fixture(scope="session")
 def server(django_db_setup: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of a daphne (HTTP and WebSockets) pointed at this session's test database."""
-    with daphne(tmp_path_factory.mktemp("daphne")) as base:
+    """Base URL of a daphne (HTTP and WebSockets) pointed at this session's test database.
+
+    One for the whole session: the database is emptied between tests, and each test signs
+    in its own user, so nothing a test leaves in the server's memory meets the next one.
+    """
+    with daphne(ROOT / "var" / "test-logs" / "e2e") as base:
         yield base
+
+
+# The worker the tests share: offline research slow enough to watch its phases, debug
+# drivers for the test tasks ("run a test task of N steps"), and no step slicing.
+WORKER_ENV = {"LONGHAUL_OFFLINE_LATENCY_MS": "150", "LONGHAUL_DEBUG_DRIVERS": "1", "LONGHAUL_STEP_SLICE_MS": "0"}
+
+
+@pytest.fixture(scope="session")
+def worker(django_db_setup: None) -> Iterator[Process]:
+    """A real qcluster (chat runs, task steps, notifications) for the whole session."""
+    proc = Process("qcluster", [sys.executable, "manage.py", "qcluster"],
+                   child_env(LONGHAUL_WORKERS="2", **WORKER_ENV), ROOT / "var" / "test-logs" / "e2e")
+    try:
+        yield proc
+    finally:
+        # Nothing of value is left in it (every test stops what it started), and a cluster
+        # can take half a minute to wind down: a short grace, then SIGKILL.
+        proc.stop(timeout=3)
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running(worker: Process) -> Iterator[None]:
+    """Stop what a test started before the database is emptied under the worker's feet."""
+    yield
+    stop_everything_running()
 
 
 @pytest.fixture

@@ -1,0 +1,397 @@
+"""Model calls in flight: 200 research tasks against a loopback OpenAI-compatible fake that
+answers after 2 s, through a qcluster of 2 worker processes, beside a bare asyncio + httpx client.
+
+    DATABASE_URL=postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench \\
+        .venv/bin/python bench/inflight.py --tasks 200 --delay 2 --workers 2
+
+The fake (tests/fakes/openai_server.py, run in this process) answers by purpose, told apart by
+the system prompt tasks/gateway/models.py sends: plan -> {"subquestions": [...]}, extract ->
+quotes copied from the sources in the request (so they pass the verbatim check), draft ->
+{"markdown": ...}. search and visit use the bundled offline corpus. The fake counts requests in
+flight (its own counter), and a sampler here maps each in-flight request's client port to the
+worker process that owns the socket (/proc/net/tcp and /proc/<pid>/fd), every 0.2 s, to get the
+calls in flight per worker process.
+
+By default (--start staged) every task's first step, which only asks for its plan, runs in this
+process before the cluster starts, so all the plan calls are due at once, as after a burst of
+submissions: the first wave shows what one gateway job can keep in flight. The later waves
+(search, visit, extract, draft) follow at the pace the workers commit steps. --start live
+submits the tasks to a running cluster instead.
+
+Baselines on the same fake: 200 concurrent requests from one bare httpx.AsyncClient with a
+pool of 200 connections, and the same with httpx's default pool (Limits: 100 connections).
+Every row made is deleted at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import threading
+import time
+from collections import Counter
+from datetime import datetime, timezone
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import _harness as h
+import httpx
+from django.db import transaction
+
+from tasks import actions, jobs
+from tasks.models import Checkpoint, Operation, Task
+from tasks.statuses import TERMINAL, TaskStatus
+from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler
+
+TARGET_PER_PROCESS = 100
+STARTS = {"staged": "first steps run before the cluster started", "live": "submitted to a running cluster"}
+LIMITS = {"tasks": 2000, "delay": 30.0, "workers": 8, "timeout": 1800}
+QUESTIONS = [
+    "How does asyncio cancellation work", "What are context managers", "How are exceptions handled",
+    "What is a dataclass", "How does the import system find modules", "How does garbage collection work",
+    "How does string formatting work", "How do generators work", "What are decorators",
+    "How do threads and processes differ",
+]
+SOURCE = re.compile(r'source_id: (?P<id>[^\n]+)\n<untrusted origin="[^"]*">\n(?P<text>.*?)\n</untrusted>', re.DOTALL)
+PLAIN = re.compile(r"[A-Za-z0-9 ,;:'()\-.]+")
+
+
+# --- the fake's answers -----------------------------------------------------------------
+
+
+def answer(body: dict) -> str:
+    """A purpose-appropriate JSON reply to one chat-completions request."""
+    messages = body.get("messages") or [{}]
+    system = str(messages[0].get("content", ""))
+    user = str(messages[-1].get("content", ""))
+    if system.startswith("You plan research"):
+        question = user.split("Question:\n", 1)[-1].split("\n\nConstraints:", 1)[0].strip()
+        return json.dumps({"subquestions": [question, f"{question} in practice"]})
+    if system.startswith("You extract evidence"):
+        quotes = []
+        for match in SOURCE.finditer(user):
+            for quote in sentences(match["text"])[:2]:
+                quotes.append({"source_id": match["id"], "quote": quote, "score": 0.5})
+        return json.dumps({"quotes": quotes})
+    if system.startswith("You write a research report"):
+        return json.dumps({"markdown": "## Findings\n\nThe sources agree on the main points [1]."})
+    return json.dumps({"content": "ok"})
+
+
+def sentences(text: str) -> list[str]:
+    """Plain sentences of a source, safe to find again verbatim in the original text."""
+    found = []
+    for sentence in re.split(r"(?<=[.!?])\s+", text):
+        sentence = " ".join(sentence.split())
+        if 40 <= len(sentence) <= 300 and PLAIN.fullmatch(sentence):
+            found.append(sentence)
+    return found
+
+
+class _TrackingHandler(_Handler):
+    def do_POST(self) -> None:  # noqa: N802
+        port = self.client_address[1]
+        self.owner.started(port)
+        try:
+            super().do_POST()
+        finally:
+            self.owner.finished(port)
+
+
+class TrackingFake(FakeOpenAI):
+    """The fake, also noting which client ports have a request in progress."""
+
+    handler_class = _TrackingHandler
+
+    def __init__(self, delay: float) -> None:
+        super().__init__(default=Reply(content=answer, delay=delay))
+        self.active: Counter[int] = Counter()
+        self._ports_lock = threading.Lock()
+
+    def started(self, port: int) -> None:
+        with self._ports_lock:
+            self.active[port] += 1
+
+    def finished(self, port: int) -> None:
+        with self._ports_lock:
+            self.active[port] -= 1
+            if self.active[port] <= 0:
+                del self.active[port]
+
+    def active_ports(self) -> list[int]:
+        with self._ports_lock:
+            return [port for port, n in self.active.items() for _ in range(n)]
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self.headers.clear()
+            self.max_in_flight = 0
+
+
+# --- in flight per process ------------------------------------------------------------------
+
+
+class Sampler(threading.Thread):
+    """Every `interval` s: the fake's in-flight requests counted per worker process (by socket owner)."""
+
+    def __init__(self, fake: TrackingFake, pids: Callable[[], list[int]], interval: float = 0.2) -> None:
+        super().__init__(name="bench-sampler", daemon=True)
+        self.fake, self.find_pids, self.interval = fake, pids, interval
+        self.pids = pids()
+        self.max_per_pid: Counter[int] = Counter()
+        self.max_total = 0
+        self.samples: list[tuple[float, int, dict[int, int]]] = []
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        rounds = 0
+        while not self.stopping.wait(self.interval):
+            rounds += 1
+            if rounds % 10 == 0:  # django-q2 respawns a worker that died or was recycled
+                self.pids = self.find_pids()
+            ports = self.fake.active_ports()
+            if not ports:
+                self.samples.append((time.time(), 0, {}))
+                continue
+            owners = socket_owners(self.fake.port, set(ports), self.pids)
+            if len(owners) < len(set(ports)):  # a worker we have not seen yet
+                self.pids = self.find_pids()
+                owners = socket_owners(self.fake.port, set(ports), self.pids)
+            per_pid = Counter(owners.get(port) for port in ports)
+            per_pid.pop(None, None)
+            for pid, n in per_pid.items():
+                self.max_per_pid[pid] = max(self.max_per_pid[pid], n)
+            self.max_total = max(self.max_total, len(ports))
+            self.samples.append((time.time(), len(ports), dict(per_pid)))
+
+
+def socket_owners(server_port: int, client_ports: set[int], pids: list[int]) -> dict[int, int]:
+    """client port -> pid, for loopback connections to `server_port` owned by one of `pids`."""
+    inode_port: dict[str, int] = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        parts = line.split()
+        local, remote, inode = parts[1], parts[2], parts[9]
+        lport, rport = int(local.split(":")[1], 16), int(remote.split(":")[1], 16)
+        if rport == server_port and lport in client_ports:
+            inode_port[f"socket:[{inode}]"] = lport
+    owners: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target in inode_port:
+                owners[inode_port[target]] = pid
+    return owners
+
+
+# --- the baseline --------------------------------------------------------------------------
+
+
+async def bare_client(base_url: str, count: int, limits: httpx.Limits | None) -> float:
+    """`count` concurrent plan requests from one AsyncClient; seconds until all answered."""
+    body = {"model": "fake", "messages": [{"role": "system", "content": "You plan research."},
+                                          {"role": "user", "content": "Question:\nbaseline\n\nConstraints:\nnone"}]}
+    kwargs = {"limits": limits} if limits is not None else {}
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=120, **kwargs) as client:
+        responses = await asyncio.gather(*(client.post(f"{base_url}/chat/completions", json=body)
+                                           for _ in range(count)))
+    bad = [r.status_code for r in responses if r.status_code != 200]
+    assert not bad, f"baseline requests failed: {bad[:5]}"
+    return time.monotonic() - started
+
+
+# --- the benchmark -------------------------------------------------------------------------
+
+
+def submit_research(scope: h.Scope, count: int) -> tuple[list[int], float]:
+    with transaction.atomic():
+        ids = [actions.submit(tenant=scope.tenant, user=scope.user, submission=actions.Submission(
+            kind="research", input={"question": QUESTIONS[n % len(QUESTIONS)]}, name=f"inflight {n}"))[0].pk
+            for n in range(count)]
+    return ids, time.time()
+
+
+def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
+    """From the rows: how long operations waited for a gateway job, ran, and how long a task then
+    waited for its next step to commit once its last operation of a step was done."""
+    checkpoints: dict[tuple[int, int], float] = {
+        (task_id, step): at.timestamp()
+        for task_id, step, at in Checkpoint.objects.filter(task_id__in=ids).values_list("task_id", "step", "at")}
+    claim_wait: dict[str, list[float]] = {"model": [], "tool": []}
+    run: dict[str, list[float]] = {"model": [], "tool": []}
+    last_done: dict[tuple[int, int], float] = {}
+    for task_id, step, kind, created, started, done in Operation.objects.filter(
+            task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
+            "task_id", "step", "kind", "created_at", "started_at", "finished_at"):
+        claim_wait[kind].append((started - created).total_seconds() * 1000)
+        run[kind].append((done - started).total_seconds() * 1000)
+        key = (task_id, step)
+        last_done[key] = max(last_done.get(key, 0.0), done.timestamp())
+    # Operations of step k (0-based) were requested by checkpoint k + 1; their outcomes are read by step k + 1,
+    # whose checkpoint is k + 2.
+    next_step = [(checkpoints[(t, s + 2)] - done) * 1000 for (t, s), done in last_done.items()
+                 if (t, s + 2) in checkpoints]
+    return {
+        "model call: requested -> claimed by a gateway job": claim_wait["model"],
+        "model call: claimed -> result recorded": run["model"],
+        "tool call: requested -> claimed by a gateway job": claim_wait["tool"],
+        "tool call: claimed -> result recorded": run["tool"],
+        "last result of a step -> next step committed": next_step,
+    }
+
+
+def per_pid_max(samples: Iterable[tuple[float, int, dict[int, int]]]) -> list[int]:
+    """The most calls each process had in flight over these samples, largest first."""
+    most: Counter[int] = Counter()
+    for _, _, per_pid in samples:
+        for pid, n in per_pid.items():
+            most[pid] = max(most[pid], n)
+    return sorted(most.values(), reverse=True)
+
+
+def all_terminal(ids: list[int]) -> bool:
+    return not Task.objects.filter(pk__in=ids).exclude(status__in=TERMINAL).exists()
+
+
+def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: float = 180,
+        start: str = "staged") -> h.Report:
+    h.migrate_if_needed()
+    report = h.Report(
+        "inflight", "Model calls in flight per worker process",
+        f"{tasks} research tasks against a loopback OpenAI-compatible fake answering after {delay:g} s, through a "
+        f"qcluster of {workers} worker processes (LONGHAUL_MODEL_CONCURRENCY=400); the fake's in-flight requests, "
+        f"attributed to worker processes by socket owner, beside a bare asyncio + httpx client.",
+    )
+    scope = h.Scope.create("inflight", max_running=tasks + 10)
+    try:
+        with TrackingFake(delay) as fake:
+            baseline = []
+            for label, limits in ((f"bare httpx.AsyncClient, pool of {tasks}",
+                                   httpx.Limits(max_connections=tasks, max_keepalive_connections=tasks)),
+                                  ("bare httpx.AsyncClient, default pool (100 connections)", None)):
+                fake.reset()
+                seconds = asyncio.run(bare_client(fake.base_url, tasks, limits))
+                baseline.append([label, fake.max_in_flight, "-", f"{tasks / seconds:.0f} calls/s"])
+            env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
+                   "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": "400",
+                   "LONGHAUL_MAX_RUNNING": str(tasks + 10)}
+            with h.override(LONGHAUL_MAX_RUNNING=tasks + 10, **{k: v for k, v in env.items()
+                                                                 if k.startswith("LONGHAUL_MODEL")}):
+                fake.reset()
+                if start == "staged":
+                    # Every task's first step (it asks for its plan) runs here, before any worker exists,
+                    # so all the plan calls are due at once when the cluster starts.
+                    ids, _ = submit_research(scope, tasks)
+                    for task_id in ids:
+                        jobs.advance(task_id)
+                    waiting = Task.objects.filter(pk__in=ids, waiting_reason="model").count()
+                    assert waiting == tasks, f"{waiting} of {tasks} staged tasks wait for their plan call"
+                sampler = Sampler(fake, list)
+                with h.qcluster("inflight", workers=workers, **env) as cluster:
+                    sampler.find_pids = cluster.descendants
+                    sampler.start()
+                    try:
+                        if start == "live":
+                            h.wait_until(lambda: len(cluster.children()) >= workers, timeout=60,
+                                         message="the workers to start")
+                            time.sleep(1)
+                            ids, _ = submit_research(scope, tasks)
+                        try:
+                            h.wait_until(lambda: all_terminal(ids), timeout=timeout, interval=0.5,
+                                         message=f"{tasks} research tasks to end")
+                        except TimeoutError as exc:
+                            report.notes.append(f"{exc}; the figures cover what happened until then.")
+                    finally:
+                        sampler.stopping.set()
+                        sampler.join(timeout=10)
+                    calls = fake.request_count
+                    max_in_flight = fake.max_in_flight
+                    stopped = time.time()
+            started = min(Operation.objects.filter(task_id__in=ids, started_at__isnull=False)
+                          .values_list("started_at", flat=True)).timestamp()
+            first_wave_end = max(Operation.objects.filter(task_id__in=ids, name="plan", finished_at__isnull=False)
+                                 .values_list("finished_at", flat=True)).timestamp()
+            statuses = Counter(Task.objects.filter(pk__in=ids).values_list("status", flat=True))
+            finished = [t.timestamp() for t in Task.objects.filter(pk__in=ids, finished_at__isnull=False)
+                        .values_list("finished_at", flat=True)]
+            ops = Counter(Operation.objects.filter(task_id__in=ids, args__isnull=False).values_list("kind", flat=True))
+            waits = pipeline_waits(ids)
+            since = datetime.fromtimestamp(started, tz=timezone.utc)
+            steps = Checkpoint.objects.filter(task_id__in=ids, at__gte=since).count()
+    finally:
+        scope.purge()
+
+    elapsed = (max(finished) if len(finished) == tasks else stopped) - started
+    per_minute = statuses.get(TaskStatus.SUCCEEDED, 0) / elapsed * 60
+    first = per_pid_max(s for s in sampler.samples if s[0] <= first_wave_end)
+    later = per_pid_max(s for s in sampler.samples if s[0] > first_wave_end)
+    per_process = sorted(sampler.max_per_pid.values(), reverse=True)
+    busy = [s for s in sampler.samples if s[1] > 0]
+    first_label = "first wave (the plan calls, all due at once)" if start == "staged" else "first wave (plan calls)"
+    report.add("In flight", h.table(
+        ["client", "most model calls in flight at once", "most per worker process (sampled every 0.2 s)", "rate"], [
+            *baseline,
+            [f"Longhaul, {workers} worker processes: whole run (fake's counter)", max_in_flight,
+             ", ".join(map(str, per_process)) or "-", f"{calls / elapsed:.1f} calls/s"],
+            [f"Longhaul: {first_label}", max((s[1] for s in sampler.samples if s[0] <= first_wave_end), default=0),
+             ", ".join(map(str, first)) or "-", ""],
+            ["Longhaul: later waves (search, visit, extract, draft)",
+             max((s[1] for s in sampler.samples if s[0] > first_wave_end), default=0),
+             ", ".join(map(str, later)) or "-", ""],
+        ]) + "\n\nA worker process django-q2 replaced during the run counts as another process.")
+    mean_busy = sum(s[1] for s in busy) / len(busy) if busy else 0
+    report.add("Tasks", h.table(["measure", "value"], [
+        ["tasks", f"{tasks} ({STARTS[start]})"],
+        ["statuses", ", ".join(f"{k} {v}" for k, v in sorted(statuses.items()))],
+        ["first call claimed -> last finished_at", f"{elapsed:.1f} s"],
+        ["tasks finished per minute", f"{per_minute:.0f}"],
+        ["steps committed per minute", f"{steps / elapsed * 60:.0f}"],
+        ["model calls made (fake's count)", f"{calls} ({calls / elapsed:.1f}/s)"],
+        ["operations requested (model / tool)", f"{ops.get('model', 0)} / {ops.get('tool', 0)}"],
+        ["mean model calls in flight while any was", f"{mean_busy:.0f}"],
+        ["samples with 2+ processes calling at once", sum(1 for s in busy if len(s[2]) >= 2)],
+    ]))
+    report.add("Where a task's time goes (milliseconds)", h.table(["interval", "p50", "p90", "p99", "samples"], [
+        [name, h.fmt(h.percentile(v, 50), 0), h.fmt(h.percentile(v, 90), 0), h.fmt(h.percentile(v, 99), 0), len(v)]
+        for name, v in waits.items()]))
+    top = per_process[0] if per_process else 0
+    report.targets.append(h.Target(
+        f"at least {TARGET_PER_PROCESS} model calls in flight per worker process",
+        f"{top} in one process at most (per process: {', '.join(map(str, per_process)) or 'none'}); "
+        f"{max_in_flight} in all", top >= TARGET_PER_PROCESS))
+    report.targets.append(h.Target("every task succeeded", ", ".join(f"{k} {v}" for k, v in statuses.items()),
+                                   statuses.get(TaskStatus.SUCCEEDED, 0) == tasks))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=200)
+    parser.add_argument("--delay", type=float, default=2.0, help="seconds the fake takes to answer")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=180, help="seconds allowed for all tasks to end")
+    parser.add_argument("--start", choices=("staged", "live"), default="staged",
+                        help="staged: every task's first step runs before the cluster starts, so all plan calls "
+                             "are due at once; live: the tasks are submitted to a running cluster")
+    args = parser.parse_args()
+    for name, limit in LIMITS.items():
+        if not 0 < getattr(args, name) <= limit:
+            parser.error(f"--{name} must be above 0 and at most {limit}")
+    report = run(tasks=args.tasks, delay=args.delay, workers=args.workers, timeout=args.timeout, start=args.start)
+    print()
+    print(report.markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Checkpointed-step throughput: N `sleep` tasks of S zero-length steps through W qcluster workers,
+next to raw django-q2 and to the database's own ceiling, measured in the same run.
+
+    DATABASE_URL=postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench \\
+        .venv/bin/python bench/throughput.py --tasks 200 --steps 5 --workers 2 --rounds 3
+
+Per round, with one real qcluster (W workers) already warm:
+- raw django-q2: N*S no-op `async_task`s (save=False) enqueued in one transaction; from its
+  commit to the broker table drained (django-q2 deletes a message when it acknowledges it);
+- Longhaul: N sleep tasks of S steps submitted through tasks.actions.submit in one transaction;
+  from its commit to the last task's finished_at;
+- the database ceiling: W connections, each looping a SKIP LOCKED claim (one transaction) and a
+  fenced completion (another) as plain SQL over a scratch table of N*S rows.
+Then, on the idle cluster, tasks of 5 steps one at a time: end to end time, and the gap between
+consecutive checkpoints of a task (the runtime's own cost per step: the steps do nothing).
+Finally, with the cluster stopped, `tasks.jobs.advance` in this process, one step per call:
+wall time and SQL statements per step without the broker.
+Rows, broker messages and the scratch table are removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import _harness as h
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from django_q.signing import SignedPackage
+from django_q.models import OrmQ
+from django_q.tasks import async_task
+
+from tasks import actions, jobs
+from tasks.models import Checkpoint, Task
+from tasks.statuses import TERMINAL, TaskStatus
+
+RATIO_TARGET = 0.70
+OVERHEAD_TARGET_MS = 5.0
+DBOS_REFERENCE = ("DBOS Transact, DESIGN §13 (not measured here): about 300 steps/s with one process on 2 cores, "
+                  "416 with two; a 5-step workflow through its queue about 60 ms end to end")
+LIMITS = {"tasks": 5000, "steps": 1000, "workers": 16, "rounds": 10, "solo": 500, "timeout": 900}
+NOOP = "bench._qnoop.noop"
+
+
+@dataclass
+class Round:
+    raw_rate: float = 0.0
+    longhaul_rate: float = 0.0
+    ceiling_rate: float = 0.0
+    loaded_gaps_ms: list[float] = field(default_factory=list)
+    failed: int = 0
+
+
+# --- raw django-q2 ---------------------------------------------------------------------
+
+
+def raw_django_q(count: int, *, timeout: float) -> float:
+    """No-op messages per second, from the enqueue commit until django-q2 has acknowledged (deleted) them all."""
+    before = OrmQ.objects.order_by("-pk").values_list("pk", flat=True).first() or 0
+    with transaction.atomic():
+        for n in range(count):
+            async_task(NOOP, n, save=False)
+    started = time.time()
+    # Ours are the new rows; a cheap range probe while they drain (a long IN list polled 50 times a
+    # second would cost the database more than the workers' own queries), then a check by payload.
+    last = OrmQ.objects.order_by("-pk").values_list("pk", flat=True).first() or before
+    h.wait_until(lambda: not OrmQ.objects.filter(pk__gt=before, pk__lte=last).exists(), timeout=timeout,
+                 interval=0.02, message=f"{count} no-op messages to drain")
+    done = time.time()
+    stray = [pk for pk, payload in OrmQ.objects.filter(pk__gt=before).values_list("pk", "payload")
+             if _func(payload) == NOOP]
+    assert not stray, f"{len(stray)} no-op messages are still queued"
+    return count / (done - started)
+
+
+def _func(payload: str) -> str | None:
+    try:
+        return SignedPackage.loads(payload).get("func")
+    except Exception:
+        return None
+
+
+# --- Longhaul --------------------------------------------------------------------------
+
+
+def submit_many(scope: h.Scope, count: int, steps: int) -> tuple[list[int], float]:
+    """Submit `count` sleep tasks in one transaction; (their ids, the commit time)."""
+    with transaction.atomic():
+        ids = [
+            actions.submit(tenant=scope.tenant, user=scope.user, submission=actions.Submission(
+                kind="sleep", input={"steps": steps, "step_seconds": 0}, name=f"bench {n}"))[0].pk
+            for n in range(count)
+        ]
+    return ids, time.time()
+
+
+def wait_terminal(ids: list[int], *, timeout: float) -> None:
+    """Until every task of the benchmark's tenant has ended (earlier ones already have)."""
+    tenant_id = Task.objects.filter(pk=ids[0]).values_list("tenant_id", flat=True).get()
+    h.wait_until(lambda: not Task.objects.filter(tenant_id=tenant_id).exclude(status__in=TERMINAL).exists(),
+                 timeout=timeout, interval=0.02, message=f"{len(ids)} tasks to end")
+
+
+def checkpoint_gaps(ids: list[int]) -> list[float]:
+    """Milliseconds between consecutive checkpoints of each task."""
+    gaps: list[float] = []
+    last: dict[int, float] = {}
+    for task_id, at in Checkpoint.objects.filter(task_id__in=ids).order_by("task_id", "step").values_list(
+            "task_id", "at"):
+        if task_id in last:
+            gaps.append((at.timestamp() - last[task_id]) * 1000)
+        last[task_id] = at.timestamp()
+    return gaps
+
+
+def longhaul(scope: h.Scope, tasks: int, steps: int, *, timeout: float) -> Round:
+    ids, started = submit_many(scope, tasks, steps)
+    wait_terminal(ids, timeout=timeout)
+    rows = Task.objects.filter(pk__in=ids)
+    ended = max(t.timestamp() for t in rows.values_list("finished_at", flat=True))
+    failed = rows.exclude(status=TaskStatus.SUCCEEDED).count()
+    return Round(longhaul_rate=tasks * steps / (ended - started), loaded_gaps_ms=checkpoint_gaps(ids), failed=failed)
+
+
+def solo(scope: h.Scope, count: int, *, timeout: float) -> tuple[list[float], list[float]]:
+    """5-step tasks one at a time on an idle cluster: end to end ms, and checkpoint gaps in ms."""
+    e2e, ids = [], []
+    for n in range(count):
+        (task_id,), started = submit_many(scope, 1, 5)
+        wait_terminal([task_id], timeout=timeout)
+        finished = Task.objects.get(pk=task_id).finished_at
+        e2e.append((finished.timestamp() - started) * 1000)
+        ids.append(task_id)
+    return e2e, checkpoint_gaps(ids)
+
+
+# --- the database ceiling --------------------------------------------------------------
+
+
+def ceiling(rows: int, connections: int) -> float:
+    """Claims plus fenced completions per second, plain SQL, `connections` clients, one scratch table."""
+    import psycopg
+
+    s = connection.settings_dict
+    dsn = dict(host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, dbname=s["NAME"], user=s["USER"],
+               password=s["PASSWORD"])
+    table = f"bench_ceiling_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(**dsn, autocommit=True) as admin:
+        admin.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, status text NOT NULL, token bigint NOT NULL "
+                      f"DEFAULT 0, owner text NOT NULL DEFAULT '', due timestamptz NOT NULL DEFAULT now())")
+        admin.execute(f"CREATE INDEX {table}_due ON {table} (id) WHERE status = 'queued'")
+        admin.execute(f"INSERT INTO {table} (status) SELECT 'queued' FROM generate_series(1, %s)", [rows])
+        admin.execute(f"ANALYZE {table}")
+        try:
+            barrier = threading.Barrier(connections + 1)
+            done_at: list[float] = []
+            counts: list[int] = []
+
+            def client(n: int) -> None:
+                me = f"bench:{n}"
+                with psycopg.connect(**dsn, autocommit=True) as conn:
+                    claimed = 0
+                    barrier.wait()
+                    while True:
+                        with conn.transaction():
+                            row = conn.execute(
+                                f"UPDATE {table} SET status = 'running', token = token + 1, owner = %s "
+                                f"WHERE id = (SELECT id FROM {table} WHERE status = 'queued' AND due <= now() "
+                                f"ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED) RETURNING id, token", [me]).fetchone()
+                        if row is None:
+                            break
+                        conn.execute(f"UPDATE {table} SET status = 'done', owner = '' "
+                                     f"WHERE id = %s AND token = %s AND owner = %s", [row[0], row[1], me])
+                        claimed += 1
+                    done_at.append(time.time())
+                    counts.append(claimed)
+
+            threads = [threading.Thread(target=client, args=(n,), daemon=True) for n in range(connections)]
+            for thread in threads:
+                thread.start()
+            barrier.wait(timeout=30)
+            started = time.time()
+            for thread in threads:
+                thread.join(timeout=300)
+            assert sum(counts) == rows, f"ceiling: {sum(counts)} of {rows} rows completed"
+            return rows / (max(done_at) - started)
+        finally:
+            admin.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+# --- in process, no broker -------------------------------------------------------------
+
+
+def in_process(scope: h.Scope, steps: int) -> tuple[list[float], list[int]]:
+    """Wall ms and SQL statements of each `advance` (one step each, slice 0), run in this process."""
+    with h.override(LONGHAUL_STEP_SLICE_MS=0):
+        (task_id,), _ = submit_many(scope, 1, steps)
+        times, statements = [], []
+        for _ in range(steps):
+            with CaptureQueriesContext(connection) as queries:
+                started = time.perf_counter()
+                jobs.advance(task_id)
+                times.append((time.perf_counter() - started) * 1000)
+            statements.append(len(queries.captured_queries))
+        status = Task.objects.get(pk=task_id).status
+        assert status == TaskStatus.SUCCEEDED, f"in-process task ended {status}"
+    h.purge_kicks({task_id}, set())
+    return times, statements
+
+
+# --- the benchmark ---------------------------------------------------------------------
+
+
+def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, solo_tasks: int = 20,
+        timeout: float = 300) -> h.Report:
+    h.migrate_if_needed()
+    report = h.Report(
+        "throughput", "Checkpointed-step throughput",
+        f"{tasks} sleep tasks x {steps} zero-length steps through {workers} qcluster workers on PostgreSQL, "
+        f"{rounds} round(s), each beside raw django-q2 ({tasks * steps} no-op messages, same workers) and the "
+        f"database ceiling (SKIP LOCKED claim + fenced completion, plain SQL, {workers} connections). "
+        f"Rates from the enqueue/submit commit to the last completion.",
+    )
+    leftover = OrmQ.objects.count()
+    if leftover:
+        report.notes.append(f"{leftover} broker rows were already queued in this database before the run; "
+                            "they may cost the cluster some time.")
+    scope = h.Scope.create("throughput", max_running=tasks + 10)
+    results: list[Round] = []
+    try:
+        with h.override(LONGHAUL_MAX_RUNNING=tasks + 10):
+            with h.qcluster("throughput", workers=workers, LONGHAUL_MAX_RUNNING=str(tasks + 10)):
+                # Warm up: workers spawned, imports done, connections open.
+                raw_django_q(20, timeout=120)
+                ids, _ = submit_many(scope, 4, 2)
+                wait_terminal(ids, timeout=120)
+                for _ in range(rounds):
+                    r = Round(raw_rate=raw_django_q(tasks * steps, timeout=timeout))
+                    lh = longhaul(scope, tasks, steps, timeout=timeout)
+                    r.longhaul_rate, r.loaded_gaps_ms, r.failed = lh.longhaul_rate, lh.loaded_gaps_ms, lh.failed
+                    r.ceiling_rate = ceiling(tasks * steps, workers)
+                    results.append(r)
+                    print(f"round {len(results)}: raw django-q2 {r.raw_rate:.0f} msg/s, Longhaul "
+                          f"{r.longhaul_rate:.0f} steps/s, ceiling {r.ceiling_rate:.0f}/s", flush=True)
+                e2e, gaps = solo(scope, solo_tasks, timeout=timeout)
+            times, statements = in_process(scope, 30)
+    finally:
+        scope.purge()
+        h.purge_kicks(set(), set(), funcs=[NOOP])
+
+    raw = h.median(r.raw_rate for r in results)
+    lh = h.median(r.longhaul_rate for r in results)
+    ceil = h.median(r.ceiling_rate for r in results)
+    failed = sum(r.failed for r in results)
+    rows = [[f"round {i + 1}", h.fmt(r.raw_rate, 0), h.fmt(r.longhaul_rate, 0), f"{r.longhaul_rate / r.raw_rate:.0%}",
+             h.fmt(r.ceiling_rate, 0)] for i, r in enumerate(results)]
+    rows.append(["**median**", h.fmt(raw, 0), h.fmt(lh, 0), f"{lh / raw:.0%}", h.fmt(ceil, 0)])
+    report.add("Rates (per second)", h.table(
+        ["", "raw django-q2 no-op msg/s", "Longhaul steps/s", "Longhaul / raw", "DB ceiling claim+complete/s"], rows)
+        + f"\n\nReference: {DBOS_REFERENCE}.")
+
+    loaded = [g for r in results for g in r.loaded_gaps_ms]
+    worker_ms_lh = workers * 1000 / lh
+    worker_ms_raw = workers * 1000 / raw
+    report.add("Cost per step (milliseconds)", h.table(
+        ["measure", "p50", "p99", "samples"],
+        [
+            ["checkpoint-to-checkpoint gap, one task alone (runtime cost of a step)", h.fmt(h.percentile(gaps, 50), 2),
+             h.fmt(h.percentile(gaps, 99), 2), len(gaps)],
+            ["`advance` in-process, one step per call, no broker", h.fmt(h.percentile(times, 50), 2),
+             h.fmt(h.percentile(times, 99), 2), len(times)],
+            ["5-step task alone, submit commit to finished_at", h.fmt(h.percentile(e2e, 50), 1),
+             h.fmt(h.percentile(e2e, 99), 1), len(e2e)],
+            ["checkpoint gap under load (includes waiting for a worker)", h.fmt(h.percentile(loaded, 50), 1),
+             h.fmt(h.percentile(loaded, 99), 1), len(loaded)],
+        ])
+        + f"\n\nWorker time per unit under load (workers x elapsed / units): Longhaul {worker_ms_lh:.2f} ms a step, "
+          f"raw django-q2 {worker_ms_raw:.2f} ms a message: the runtime adds {worker_ms_lh - worker_ms_raw:.2f} ms "
+          f"of worker time per step over the bare transport. SQL statements per `advance` step: "
+          f"median {h.median(statements):.0f} (min {min(statements)}, max {max(statements)}).")
+
+    p50_gap = h.percentile(gaps, 50)
+    report.targets += [
+        h.Target("no-op step throughput >= 70% of raw django-q2 (same workers)",
+                 f"{lh:.0f} vs {raw:.0f}/s = {lh / raw:.0%}", lh / raw >= RATIO_TARGET),
+        h.Target("runtime overhead per step < 5 ms p50",
+                 f"{p50_gap:.2f} ms (checkpoint gap, task alone); {worker_ms_lh - worker_ms_raw:.2f} ms worker "
+                 f"time over raw django-q2 under load", p50_gap < OVERHEAD_TARGET_MS),
+        h.Target("every task succeeded", f"{failed} did not", failed == 0),
+        h.Target("above DBOS's ~300 steps/s (1 process) / 416 (2); 5-step task under ~60 ms",
+                 f"{lh:.0f} steps/s with {workers} workers; 5-step task p50 {h.percentile(e2e, 50):.0f} ms", None),
+    ]
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--solo", type=int, default=20, help="5-step tasks run one at a time")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for one phase")
+    args = parser.parse_args()
+    for name, limit in LIMITS.items():
+        if not 0 < getattr(args, name) <= limit:
+            parser.error(f"--{name} must be above 0 and at most {limit}")
+    report = run(tasks=args.tasks, steps=args.steps, workers=args.workers, rounds=args.rounds, solo_tasks=args.solo,
+                 timeout=args.timeout)
+    print()
+    print(report.markdown())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,351 @@
+// The expanded part of a task row: what the task is doing and has done.
+//
+// While open it follows the task's events over its WebSocket (openTaskStream resumes
+// from the last seq it saw, so a reconnect neither repeats nor skips an event) and
+// draws them as a timeline; it reads the task's detail (steps, retries, budget) and,
+// once there is one, its result (sources, evidence, usage).
+
+import { api } from "./api.js";
+import { h } from "./dom.js";
+import { clockTime, duration } from "./format.js";
+import { renderMarkdown } from "./markdown.js";
+import { openTaskStream } from "./task_stream.js";
+
+const EVENT_WORDS = {
+  queued: (d) => (d.reason === "requeued" ? "Queued again" : "Queued"),
+  admitted: () => "Started",
+  planning: () => "Planning sub-questions",
+  plan_ready: (d) => `Planned ${d.subquestions} sub-question${d.subquestions === 1 ? "" : "s"}`,
+  searching: (d) => `${d.rephrased ? "Searching again" : "Searching"}: “${d.query}”`,
+  source_read: (d) => `Read source [${d.n}] ${d.title}`,
+  source_skipped: (d) => `Skipped a source${d.error_class ? ` (${d.error_class.replace(/_/g, " ")})` : ""}`,
+  evidence_added: (d) => `Found ${d.count} quote${d.count === 1 ? "" : "s"} for sub-question ${d.subquestion}`,
+  drafting: (d) => `Drafting the report from ${d.evidence} quotes`,
+  result_ready: (d) => `Report ready, citing ${d.sources} source${d.sources === 1 ? "" : "s"}`,
+  step_done: (d) => `Step ${d.step} of ${d.of} done`,
+  waiting_tool: () => "Waiting for searches and reads",
+  tool_results_ready: () => "Results in",
+  retry_scheduled: (d) => `Will retry after an error (${(d.error_class || "error").replace(/_/g, " ")})`,
+  retrying: () => "Retrying",
+  recovered: () => "Picked up again after a worker stopped",
+  input_required: (d) => `Asked: ${d.question}`,
+  input_received: () => "Got your answer",
+  pause_requested: () => "Pause requested",
+  paused: () => "Paused",
+  cancel_requested: () => "Cancel requested",
+  cancelled: () => "Cancelled",
+  partial: (d) => `Stopped early${d.scope ? `: ${d.scope}` : ""}`,
+  succeeded: () => "Finished",
+  failed: (d) => `Failed: ${(d.error_class || "error").replace(/_/g, " ")}`,
+  deferred: () => "Waiting for a free slot",
+  stalled: () => "No progress for a while",
+  lease_released: () => "Handed back by its worker",
+};
+
+/** The words for one event of the timeline. */
+export function describeEvent(event) {
+  const words = EVENT_WORDS[event.kind];
+  return words ? words(event.data || {}) : event.kind.replace(/_/g, " ");
+}
+
+const NOTIFICATION_WORDS = {
+  retry: "Posting the update to this thread failed; Longhaul is retrying.",
+  dead_letter: "The update could not be posted to this thread. An admin can send it again from the admin pages.",
+};
+
+function fact(label, value) {
+  return value === null || value === undefined || value === "" ? null : [h("dt", {}, label), h("dd", {}, value)];
+}
+
+/** "12 of 200 allowed": what a budget allows is the task's limit, not a goal. */
+function used(count, limit) {
+  return limit ? `${count.toLocaleString()} of ${limit.toLocaleString()} allowed` : count.toLocaleString();
+}
+
+const DETAIL_REFRESH_MS = 2000; // at most this often while events stream in
+
+export class TaskDetails {
+  /**
+   * `element` is the row's details container. Callbacks: onPhase(event) for the row's
+   * phase line, onEnded() when the stream says the task ended, onAnswered() after an
+   * answer was accepted, findReport(taskId) for the task's report message in the thread
+   * (or null) and onShowReport(message) to bring it into view.
+   */
+  constructor(element, task, { onPhase, onEnded, onAnswered, findReport, onShowReport }) {
+    this.element = element;
+    this.task = task;
+    this.callbacks = { onPhase, onEnded, onAnswered, findReport, onShowReport };
+    this.events = new Map(); // seq -> event: each drawn once, in order
+    this.lastSeq = 0;
+    this.stream = null;
+    this.streamStatus = "";
+    this.ended = false;
+    this.detail = null;
+    this.result = null;
+    this.resultVersion = 0;
+    this.answerDraft = "";
+    this.answered = null; // {question, answer} given here, shown from then on
+    this.build();
+  }
+
+  build() {
+    const id = this.task.id;
+    this.notes = h("div", { class: "detail-notes" });
+    this.facts = h("dl", { class: "facts" });
+    this.resultBox = h("div", { class: "detail-result" });
+    this.liveLabel = h("span", { class: "live-label", role: "status" });
+    this.timeline = h("ol", { class: "timeline", "aria-labelledby": `timeline-${id}` });
+    this.timelineEmpty = h("p", { class: "timeline-empty" }, "Loading the timeline…");
+    this.element.replaceChildren(
+      this.notes,
+      this.facts,
+      this.resultBox,
+      h("div", { class: "timeline-head" }, h("h4", { id: `timeline-${id}` }, "Timeline"), this.liveLabel),
+      this.timelineEmpty,
+      this.timeline,
+    );
+  }
+
+  open() {
+    this.render();
+    this.follow();
+    this.loadDetail();
+    this.loadResult();
+  }
+
+  close() {
+    if (this.stream) this.stream.close();
+    this.stream = null;
+    this.setLive("");
+  }
+
+  /** A fresher panel row for this task arrived. */
+  update(task) {
+    const before = this.task;
+    this.task = task;
+    if (before.status !== task.status) this.loadDetail();
+    if (task.result_version !== this.resultVersion) this.loadResult();
+    if (!this.stream && !this.ended && !task.is_terminal) this.follow();
+    this.render();
+  }
+
+  follow() {
+    if (this.stream) return;
+    this.stream = openTaskStream(this.task.id, {
+      after: this.lastSeq,
+      onEvent: (event) => this.addEvent(event),
+      onEnd: () => {
+        this.ended = true;
+        // A finished task sends nothing more worth a socket; the timeline stays.
+        this.close();
+        this.loadDetail();
+        this.callbacks.onEnded();
+      },
+      onStatus: (status) => this.setLive(status),
+    });
+  }
+
+  setLive(status) {
+    this.streamStatus = status;
+    const words = { live: "Live", reconnecting: "Reconnecting…", polling: "Checking every few seconds" };
+    this.liveLabel.textContent = words[status] || "";
+    this.liveLabel.dataset.state = status;
+  }
+
+  addEvent(event) {
+    if (this.events.has(event.seq)) return;
+    this.events.set(event.seq, event);
+    const inOrder = event.seq > this.lastSeq;
+    this.lastSeq = Math.max(this.lastSeq, event.seq);
+    this.timelineEmpty.hidden = true;
+    const item = h("li", { dataset: { seq: event.seq, kind: event.kind } },
+      h("time", { datetime: event.at }, clockTime(event.at)),
+      h("span", {}, describeEvent(event)));
+    // Events come in seq order; a stray older one would still land in its place.
+    const later = inOrder ? null : [...this.timeline.children].find((li) => Number(li.dataset.seq) > event.seq);
+    this.timeline.insertBefore(item, later || null);
+    this.callbacks.onPhase(event);
+    this.renderFacts();
+    this.loadDetailSoon();
+  }
+
+  /** Steps and retries move with the events; read them again, but not for every event. */
+  loadDetailSoon() {
+    if (this.detailTimer) return;
+    this.detailTimer = setTimeout(() => {
+      this.detailTimer = null;
+      if (this.stream) this.loadDetail();
+    }, DETAIL_REFRESH_MS);
+  }
+
+  async loadDetail() {
+    try {
+      this.detail = await api(`/api/tasks/${this.task.id}`);
+      this.renderFacts();
+    } catch {
+      // The row still shows what the panel knows; the next refresh tries again.
+    }
+  }
+
+  async loadResult() {
+    const version = this.task.result_version;
+    if (!version || version === this.resultVersion) return;
+    try {
+      const data = await api(`/api/tasks/${this.task.id}/result`);
+      this.result = data.result || {};
+      this.resultVersion = data.result_version;
+      this.render();
+    } catch {
+      // 409 not_ready is a race with the panel's list; the next update asks again.
+    }
+  }
+
+  render() {
+    this.renderNotes();
+    this.renderFacts();
+    this.renderResult();
+    if (!this.events.size && (this.ended || this.task.is_terminal) && !this.stream) {
+      this.timelineEmpty.textContent = "No events recorded.";
+    }
+  }
+
+  renderNotes() {
+    const task = this.task;
+    // Rebuilt only when what they say changes: an answer being typed must survive a refresh.
+    const key = JSON.stringify([task.status, task.cancel_requested, task.error_class, task.error_message,
+                                task.notification, task.question, this.answered]);
+    if (key === this.notesKey) return;
+    this.notesKey = key;
+    const notes = [];
+    if (task.cancel_requested && !task.is_terminal) {
+      notes.push(h("p", { class: "note" }, "Cancelling: the task stops at its next safe point."));
+    }
+    if (task.status === "paused") {
+      notes.push(h("p", { class: "note" }, "Paused with everything it has done so far. Resume to go on."));
+    }
+    if (task.status === "failed") {
+      notes.push(h("div", { class: "note error" },
+        h("strong", {}, `Failed: ${(task.error_class || "error").replace(/_/g, " ")}`),
+        task.error_message ? h("p", {}, task.error_message) : null));
+    }
+    if (task.notification && NOTIFICATION_WORDS[task.notification]) {
+      notes.push(h("p", { class: "note warning", dataset: { notification: task.notification } },
+        NOTIFICATION_WORDS[task.notification]));
+    }
+    const answeredThis = this.answered && this.answered.question === task.question;
+    if (task.status === "waiting_input" && !answeredThis) notes.push(this.answerForm());
+    if (this.answered) notes.push(h("p", { class: "note", role: "status" }, `You answered: ${this.answered.answer}`));
+    this.notes.replaceChildren(...notes);
+  }
+
+  answerForm() {
+    const id = `answer-${this.task.id}`;
+    const input = h("textarea", { id, rows: 2, required: true });
+    input.value = this.answerDraft;
+    input.addEventListener("input", () => { this.answerDraft = input.value; });
+    const error = h("p", { class: "field-error", role: "alert", hidden: true });
+    const button = h("button", { type: "submit", class: "button small primary" }, "Send answer");
+    const form = h("form", { class: "answer-form note question" },
+      h("label", { for: id }, h("strong", {}, "The task asks: "), this.task.question || "(no question text)"),
+      input, error, h("div", { class: "form-actions" }, button));
+    form.addEventListener("submit", async (event) => {
+      event.preventDefault();
+      const answer = input.value.trim();
+      if (!answer) return;
+      button.disabled = true;
+      button.textContent = "Sending…";
+      try {
+        await api(`/api/tasks/${this.task.id}/answer`, { method: "POST", body: { answer } });
+        this.answerDraft = "";
+        this.answered = { question: this.task.question, answer };
+        this.renderNotes();
+        this.callbacks.onAnswered();
+      } catch (failure) {
+        error.textContent = failure.message;
+        error.hidden = false;
+        button.disabled = false;
+        button.textContent = "Send answer";
+      }
+    });
+    return form;
+  }
+
+  renderFacts() {
+    const task = this.task;
+    const detail = this.detail || {};
+    const budget = detail.budget || {};
+    const usage = (this.result && this.result.usage) || null;
+    const started = task.started_at || task.created_at;
+    const end = task.finished_at ? Date.parse(task.finished_at) : Date.now();
+    const sources = this.sourceList();
+    const evidence = this.evidenceCount();
+    const rows = [
+      fact(task.is_terminal ? "Took" : "Running for", duration(Math.max(0, end - Date.parse(started)))),
+      fact("Steps taken", detail.current_step !== undefined ? used(detail.current_step, budget.max_steps) : null),
+      fact("Retries", detail.retries ? used(detail.retries, budget.max_retries) : null),
+      fact("Sources read", task.kind === "research" || sources.length ? String(sources.length) : null),
+      fact("Evidence", evidence !== null ? `${evidence} quote${evidence === 1 ? "" : "s"}` : null),
+      fact("Model calls", usage ? used(usage.model_calls || 0, budget.max_model_calls) : null),
+      fact("Tool calls", usage ? used(usage.tool_calls || 0, budget.max_tool_calls) : null),
+      fact("Tokens", usage ? used(usage.tokens || 0, budget.max_tokens) : null),
+    ];
+    this.facts.replaceChildren(...rows.filter(Boolean).flat());
+  }
+
+  /** Sources: the result's (those cited) once there is one, else those read so far. */
+  sourceList() {
+    if (this.result && Array.isArray(this.result.sources)) return this.result.sources;
+    const byNumber = new Map();
+    for (const event of this.events.values()) {
+      if (event.kind === "source_read") byNumber.set(event.data.n, event.data);
+    }
+    return [...byNumber.values()];
+  }
+
+  evidenceCount() {
+    if (this.result && Array.isArray(this.result.evidence)) return this.result.evidence.length;
+    let count = null;
+    for (const event of this.events.values()) {
+      if (event.kind === "evidence_added") count = (count || 0) + (event.data.count || 0);
+    }
+    return count;
+  }
+
+  renderResult() {
+    const result = this.result;
+    const sources = this.sourceList();
+    const message = this.callbacks.findReport(this.task.id);
+    // Rebuilt only when something changed, so an open report stays open.
+    const key = JSON.stringify([this.resultVersion, sources.length, Boolean(message)]);
+    if (key === this.resultKey) return;
+    this.resultKey = key;
+    const parts = [];
+    if (result && result.scope && result.scope !== "complete") {
+      parts.push(h("p", { class: "note" }, `Covers ${result.scope}.`));
+    }
+    if (sources.length) {
+      parts.push(h("h4", {}, "Sources"),
+        h("ol", { class: "source-list" }, sources.map((s) => h("li", { value: s.n },
+          h("span", { class: "source-title" }, s.title || s.url),
+          h("span", { class: "source-url" }, s.url)))));
+    }
+    if (result && typeof result.report === "string") {
+      const actions = [];
+      if (message) {
+        const show = () => this.callbacks.onShowReport(message);
+        actions.push(h("button", { type: "button", class: "button small", onclick: show },
+          "Show the report in the thread"));
+      }
+      const report = h("details", { class: "report" }, h("summary", {}, "Read the report here"));
+      report.addEventListener("toggle", () => {
+        if (report.open && report.children.length === 1) {
+          report.append(h("div", { class: "prose" }, renderMarkdown(result.report, { idPrefix: `r-${this.task.id}` })));
+        }
+      });
+      parts.push(h("div", { class: "result-actions" }, actions), report);
+    } else if (result && result.summary) {
+      parts.push(h("h4", {}, "Result"), h("p", { class: "result-summary" }, result.summary));
+    }
+    this.resultBox.replaceChildren(...parts);
+  }
+}

@@ -1,0 +1,158 @@
+"""The chat page as tests drive it: signing in, sending, the panel and its rows, and what the server holds."""
+
+from __future__ import annotations
+
+import re
+import time
+
+from django.conf import settings
+from django.contrib.auth.models import User
+from django.test import Client
+from django_q.models import OrmQ
+from playwright.sync_api import Locator, Page, expect
+
+from chat.models import Message, Run, Thread
+from tasks import actions
+from tasks.models import Task
+from tasks.statuses import TERMINAL, NotificationStatus
+
+IN_DELIVERY = [NotificationStatus.PENDING, NotificationStatus.CLAIMED, NotificationStatus.DISPATCHED]
+
+THREAD_URL = re.compile(r"/t/([0-9a-f-]{36})/$")
+
+
+def sign_in(page: Page, server: str, username: str) -> None:
+    """Sign in through the login form (tests.conftest.make_user's password) and land on the chat page."""
+    page.goto(f"{server}/accounts/login/")
+    page.get_by_label("Username").fill(username)
+    page.get_by_label("Password").fill(f"{username}-password-1")
+    page.get_by_role("button", name="Sign in").click()
+    expect(page).to_have_url(f"{server}/")
+
+
+def sign_in_with_cookie(page: Page, server: str, user: User) -> None:
+    """Sign in without the form, for tests about something else: on a busy machine each
+    password check costs a second or more, in this process and again in daphne."""
+    client = Client()
+    client.force_login(user)
+    name = settings.SESSION_COOKIE_NAME
+    page.context.add_cookies([{"name": name, "value": client.cookies[name].value, "url": server}])
+
+
+def send(page: Page, text: str) -> None:
+    """Type a message and press Enter, once the composer may send."""
+    expect(page.locator("#send")).to_be_enabled(timeout=15_000)
+    box = page.get_by_role("textbox", name="Message")
+    box.fill(text)
+    box.press("Enter")
+
+
+def thread_id_of(page: Page) -> str:
+    match = THREAD_URL.search(page.url)
+    assert match, f"not on a thread page: {page.url}"
+    return match.group(1)
+
+
+def open_panel(page: Page) -> Locator:
+    panel = page.get_by_role("complementary", name="Background tasks")
+    if not panel.is_visible():
+        page.locator("#panel-toggle").click()
+    expect(panel).to_be_visible()
+    return panel
+
+
+def task_row(page: Page, name: str) -> Locator:
+    return page.locator(".task-row").filter(has=page.locator(".task-name", has_text=re.compile(f"^{re.escape(name)}$")))
+
+
+def assistant_messages(page: Page, containing: str | None = None) -> Locator:
+    messages = page.locator("#messages .message.from-assistant")
+    return messages.filter(has_text=containing) if containing else messages
+
+
+def rendered_message_ids(page: Page) -> list[int]:
+    return [int(i) for i in page.locator("#messages .message[data-message-id]").evaluate_all(
+        "els => els.map(e => e.dataset.messageId)")]
+
+
+def stored_message_ids(thread_public_id: str) -> list[int]:
+    """The visible messages of a thread, as GET /api/threads/<id>/messages lists them."""
+    return list(Message.objects.filter(thread__public_id=thread_public_id, hidden=False)
+                .order_by("id").values_list("id", flat=True))
+
+
+def api_message_ids(page: Page, server: str, thread_public_id: str) -> list[int]:
+    """Every message id GET /api/threads/<id>/messages lists, page after page (as the signed-in user)."""
+    ids: list[int] = []
+    after = 0
+    while True:
+        body = page.request.get(f"{server}/api/threads/{thread_public_id}/messages?after={after}&limit=100").json()
+        ids += [m["id"] for m in body["results"]]
+        if len(body["results"]) < 100:
+            return ids
+        after = body["next_after"]
+
+
+def api_event_seqs(page: Page, server: str, task_public_id: str) -> list[int]:
+    """Every event seq GET /api/tasks/<id>/events lists, page after page."""
+    seqs: list[int] = []
+    after = 0
+    while True:
+        body = page.request.get(f"{server}/api/tasks/{task_public_id}/events?after={after}&limit=100").json()
+        seqs += [e["seq"] for e in body["results"]]
+        if len(body["results"]) < 100:
+            return seqs
+        after = body["next_after"]
+
+
+def make_thread(owner: User, title: str) -> Thread:
+    return Thread.objects.create(tenant=owner.memberships.get().tenant, owner=owner, title=title)
+
+
+def start_test_task(thread: Thread, *, steps: int, name: str, **spec: object) -> Task:
+    """A debug sleep task in the thread, as the chat agent starts one (1 s steps; `spec` adds
+    the driver's other inputs: ask_at_step and question, fail_at_step and fail_kind)."""
+    task, _ = actions.submit(tenant=thread.tenant, user=thread.owner, submission=actions.Submission(
+        kind="sleep", name=name, input={"steps": steps, "step_seconds": 1, **spec}, thread_id=thread.pk))
+    return task
+
+
+def wait_until(predicate, *, timeout: float, message: str) -> None:
+    """Wait for another process (the worker) to make something true; real processes take real time."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {message}")
+
+
+def worker_is_busy() -> bool:
+    """Anything the worker may still write: a live task, a run, a notification on its way, a queued job."""
+    return (Task.objects.exclude(status__in=TERMINAL).exists()
+            or Task.objects.filter(notification_status__in=IN_DELIVERY).exists()
+            or Run.objects.filter(status__in=[Run.Status.PENDING, Run.Status.RUNNING]).exists()
+            or OrmQ.objects.exists())
+
+
+def stop_everything_running(timeout: float = 20) -> None:
+    """Cancel what a test left running and wait for the worker to go quiet: emptying the
+    database (TRUNCATE) while it writes can deadlock with it."""
+    for task in Task.objects.exclude(status__in=TERMINAL):
+        try:
+            actions.request_cancel(task, user=task.owner, reason="test teardown")
+        except Exception:  # it ended meanwhile
+            pass
+    deadline = time.monotonic() + timeout
+    quiet_since = None
+    while time.monotonic() < deadline:
+        if worker_is_busy():
+            quiet_since = None
+        elif quiet_since is None:
+            quiet_since = time.monotonic()
+        elif time.monotonic() - quiet_since > 0.3:  # quiet twice in a row, a moment apart
+            return
+        time.sleep(0.1)
+    import sys
+    print("STILL BUSY", list(Task.objects.values_list("name", "status", "notification_status")),
+          list(Run.objects.values_list("kind", "status")), list(OrmQ.objects.values_list("key", "lock")), file=sys.stderr)
