@@ -42,9 +42,11 @@ test: venv
 test-unit: venv
 	$(PYTEST) -p no:playwright tests/unit
 
+# Benchmarks, each beside a baseline measured in the same run; writes BENCHMARKS.md.
 bench: venv
 	bin/ensure-postgres
-	DATABASE_URL='$(TEST_DATABASE_URL)' $(BIN)/python bench/throughput.py
+	bin/ensure-redis
+	DATABASE_URL='$(TEST_DATABASE_URL)' $(BIN)/python bench/run_all.py
 
 clean:
 	rm -rf $(VENV) var
