@@ -417,13 +417,23 @@ def qcluster(name: str, *, workers: int, **env: str) -> Iterator[processes.Proce
     """A real `manage.py qcluster` against this database (tests/processes.py), stopped with SIGTERM on exit.
 
     Afterwards the broker rows it left that name no task (a sweep it had taken when it stopped,
-    the sweeper's gateway kick) are removed too: the next cluster's schedule makes new ones.
+    the sweeper's gateway kick) are removed too, with the results it saved of its scheduled
+    sweeps: the next cluster's schedule makes new ones.
     """
+    started = datetime.now(timezone.utc)
     try:
         with processes.qcluster(log_dir(name), workers=workers, **env) as cluster:
             yield cluster
     finally:
         reconnecting(lambda: purge_kicks(set(), set(), funcs=GENERIC_JOBS, task_arg_zero=True))
+        reconnecting(lambda: _forget_schedule_results(started))
+
+
+def _forget_schedule_results(since: datetime) -> None:
+    """The results django-q2 saved of the sweeps this cluster ran on its schedule."""
+    from django_q.models import Task as QueuedTask
+
+    QueuedTask.objects.filter(func__in=GENERIC_JOBS, started__gte=since).delete()
 
 
 def daphne(name: str, **env: str):

@@ -84,9 +84,9 @@ export class TaskPanel {
     this.timer = null;
     this.inFlight = null;
     this.again = false;
-    this.stale = false;
     this.failures = 0;
     this.loaded = false;
+    this.everLoaded = false;
 
     panel.querySelector("#panel-retry").addEventListener("click", () => this.refresh({ force: true }));
     panel.addEventListener("click", (event) => this.onClick(event));
@@ -116,13 +116,12 @@ export class TaskPanel {
 
   // --- polling ------------------------------------------------------------------------
 
-  /** Load the list now, or right after the request in flight; while hidden, only mark it stale. */
+  /**
+   * Load the list now, or right after the request in flight. While the tab is hidden only
+   * `force` (the user's own action) loads: becoming visible refreshes anyway.
+   */
   refresh({ force = false } = {}) {
-    if (!this.threadId) return Promise.resolve();
-    if (document.hidden && !force) {
-      this.stale = true;
-      return Promise.resolve();
-    }
+    if (!this.threadId || (document.hidden && !force)) return Promise.resolve();
     if (this.inFlight) {
       this.again = true;
       return this.inFlight;
@@ -133,7 +132,6 @@ export class TaskPanel {
     this.inFlight = (async () => {
       do {
         this.again = false;
-        this.stale = false;
         await this.load();
       } while (this.again);
     })().finally(() => {
@@ -159,14 +157,19 @@ export class TaskPanel {
       const data = await api(`/api/threads/${threadId}/tasks`);
       if (threadId !== this.threadId) return;
       this.failures = 0;
+      this.everLoaded = true;
+      this.panel.removeAttribute("data-unknown");
       this.errorBox.hidden = true;
       this.render(data.results);
       this.setActiveCount(data.active);
     } catch (error) {
       this.failures += 1;
-      const text = error.status === 404 ? "This thread no longer exists." : error.message;
+      const text = error.status === 404 ? "This thread no longer exists."
+        : `${error.message.replace(/^./, (c) => c.toUpperCase()).replace(/\.?$/, ".")} Trying again shortly.`;
       this.errorBox.querySelector("[data-error-text]").textContent = text;
       this.errorBox.hidden = false;
+      // Never loaded: "Nothing running" would be a guess, so the empty states stay hidden.
+      this.panel.toggleAttribute("data-unknown", !this.everLoaded);
       if (error.status === 404) this.threadId = null; // nothing to poll any more
     } finally {
       this.loaded = true;

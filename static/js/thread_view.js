@@ -202,7 +202,7 @@ export class ThreadView {
     state.dataset.state = kind;
     const words = {
       loading: [h("span", { class: "spinner", "aria-hidden": "true" }), h("span", {}, "Loading the conversation…")],
-      empty: [h("strong", {}, "No messages yet."), " Ask for research below; the answer comes back here."],
+      empty: [h("p", {}, h("strong", {}, "No messages yet."), " Ask for research below; the answer comes back here.")],
       error: [h("span", {}, `Couldn't load the conversation. ${detail}`),
               h("button", { type: "button", class: "button small", onclick: () => this.retryLoad() }, "Try again")],
       gone: [h("span", {}, "This thread was deleted. "), h("a", { href: "/" }, "Start a new one")],

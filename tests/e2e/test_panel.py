@@ -7,9 +7,11 @@ import re
 import pytest
 from playwright.sync_api import Locator, Page, expect
 
-from tasks import actions
+from tasks import actions, clock
 from tasks.models import Task, Tenant
+from tasks.statuses import NotificationStatus, TaskStatus
 from tests.conftest import make_user
+from tests.factories import make_task
 from tests.e2e.chat_page import make_thread, sign_in_with_cookie, start_test_task, task_row, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -60,7 +62,8 @@ def test_it_polls_every_3_s_with_an_active_task_every_15_s_without_and_not_while
     page.clock.install()
     page.goto(f"{server}/t/{thread.public_id}/")
     expect(page.locator("#task-count")).to_have_text(re.compile(r"1$"))
-    page.clock.pause_at(page.evaluate("Date.now()") + 1000)
+    page.clock.pause_at(page.evaluate("Date.now()") / 1000 + 1)  # seconds
+    page.clock.run_for(3_000)  # whatever poll was due has run: the next is exactly one interval away
     settled(page)
 
     # Active: exactly every 3 s, one request each time.
@@ -71,8 +74,8 @@ def test_it_polls_every_3_s_with_an_active_task_every_15_s_without_and_not_while
         page.clock.run_for(100)
         assert len(poll_times(page)) == start + n
         settled(page)
-    times = poll_times(page)[start - 1:]
-    assert [b - a for a, b in zip(times, times[1:])] == [3000, 3000, 3000]
+    times = poll_times(page)[start:]
+    assert [b - a for a, b in zip(times, times[1:])] == [3000, 3000]
 
     # Nothing active any more: the next poll sees it, then every 15 s.
     actions.request_cancel(task, user=alice)
@@ -214,3 +217,31 @@ def test_it_asks_the_tasks_question_with_an_answer_box_and_shows_a_failure_with_
     # And the thread was told, without a reload.
     expect(page.locator("#messages")).to_contain_text("Mirror sync is done", timeout=15_000)
     expect(page.locator("#messages")).to_contain_text("Broken import failed")
+
+
+def test_it_counts_active_tasks_up_to_9_plus_and_flags_an_undelivered_notification(
+        page: Page, server: str, cheap_passwords):
+    alice = make_user("alice", Tenant.objects.create(slug="acme", name="Acme"))
+    thread = make_thread(alice, "Batch")
+    # A scene: ten paused tasks (active, and no worker will touch them) and one failed
+    # task whose notification could not be delivered.
+    for n in range(10):
+        make_task(thread.tenant, alice, status=TaskStatus.PAUSED, name=f"Batch part {n + 1}", thread=thread)
+    make_task(thread.tenant, alice, status=TaskStatus.FAILED, name="Report upload", thread=thread,
+              error_class="permanent", error_message="the upload server said no",
+              notification_status=NotificationStatus.DEAD_LETTER, finished_at=clock.now())
+    sign_in_with_cookie(page, server, alice)
+    page.goto(f"{server}/t/{thread.public_id}/")
+
+    badge = page.locator("#task-count")
+    expect(badge).to_have_text("active: 9+")
+    page.locator("#panel-toggle").click()
+    expect(page.locator("#active-tasks .task-row")).to_have_count(10)
+    expect(page.locator("#active-tasks .status-word").first).to_have_text("Paused")
+    expect(page.locator("#active-tasks").get_by_role("button", name=re.compile("^Resume"))).to_have_count(10)
+
+    failed = task_row(page, "Report upload")
+    failed.get_by_role("button", name="Report upload", exact=True).click()
+    expect(failed.locator(".note.error")).to_contain_text("Failed: permanent")
+    expect(failed.locator(".note.error")).to_contain_text("the upload server said no")
+    expect(failed.locator("[data-notification=dead_letter]")).to_contain_text("could not be posted to this thread")
