@@ -84,6 +84,7 @@ export class TaskPanel {
     this.timer = null;
     this.inFlight = null;
     this.again = false;
+    this.stale = false;
     this.failures = 0;
     this.loaded = false;
     this.everLoaded = false;
@@ -116,12 +117,13 @@ export class TaskPanel {
 
   // --- polling ------------------------------------------------------------------------
 
-  /**
-   * Load the list now, or right after the request in flight. While the tab is hidden only
-   * `force` (the user's own action) loads: becoming visible refreshes anyway.
-   */
+  /** Load the list now, or right after the request in flight; while hidden, only mark it stale. */
   refresh({ force = false } = {}) {
-    if (!this.threadId || (document.hidden && !force)) return Promise.resolve();
+    if (!this.threadId) return Promise.resolve();
+    if (document.hidden && !force) {
+      this.stale = true;
+      return Promise.resolve();
+    }
     if (this.inFlight) {
       this.again = true;
       return this.inFlight;
@@ -132,6 +134,7 @@ export class TaskPanel {
     this.inFlight = (async () => {
       do {
         this.again = false;
+        this.stale = false;
         await this.load();
       } while (this.again);
     })().finally(() => {
