@@ -43,10 +43,12 @@ test-unit: venv
 	$(PYTEST) -p no:playwright tests/unit
 
 # Benchmarks, each beside a baseline measured in the same run; writes BENCHMARKS.md.
+# A database of its own: the ORM broker table is shared with any qcluster on the same database.
+BENCH_DATABASE_URL ?= postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench
 bench: venv
 	bin/ensure-postgres
 	bin/ensure-redis
-	DATABASE_URL='$(TEST_DATABASE_URL)' $(BIN)/python bench/run_all.py
+	DATABASE_URL='$(BENCH_DATABASE_URL)' REDIS_URL='redis://127.0.0.1:6379/0' $(BIN)/python bench/run_all.py
 
 clean:
 	rm -rf $(VENV) var

@@ -230,5 +230,5 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
-    "loggers": {"django_q": {"level": envstr("Q_LOG_LEVEL", "WARNING")}},
+    "loggers": {"django-q": {"level": envstr("Q_LOG_LEVEL", "WARNING")}},  # django-q2 logs as "django-q"
 }

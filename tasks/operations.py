@@ -210,7 +210,10 @@ async def pump(*, owner: str, run_for: float) -> int:
     stop_claiming = time.monotonic() + run_for
     in_flight: set[asyncio.Task[None]] = set()
     ran = 0
-    async with httpx.AsyncClient(follow_redirects=False) as client:
+    # httpx's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says.
+    pool = httpx.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
+                        max_keepalive_connections=settings.LONGHAUL_GATEWAY_INFLIGHT)
+    async with httpx.AsyncClient(follow_redirects=False, limits=pool) as client:
         while True:
             room = settings.LONGHAUL_GATEWAY_INFLIGHT - len(in_flight)
             if room > 0 and time.monotonic() < stop_claiming:
