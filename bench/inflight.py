@@ -4,8 +4,8 @@ answers after 2 s, through a qcluster of 2 worker processes, beside a bare async
     DATABASE_URL=postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench \\
         .venv/bin/python bench/inflight.py --tasks 200 --delay 2 --workers 2
 
-The fake (tests/fakes/openai_server.py, run in this process) answers by purpose, told apart by
-the system prompt tasks/gateway/models.py sends: plan -> {"subquestions": [...]}, extract ->
+The fake (tests/fakes/openai_server.py, run in this process) answers by purpose (`research_reply`),
+told apart by the system prompt tasks/gateway/models.py sends: plan -> {"subquestions": [...]}, extract ->
 quotes copied from the sources in the request (so they pass the verbatim check), draft ->
 {"markdown": ...}. search and visit use the bundled offline corpus. The fake counts requests in
 flight (its own counter), and a sampler here maps each in-flight request's client port to the
@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import re
 import threading
 import time
 from collections import Counter
@@ -44,7 +42,7 @@ from django.db import transaction
 from tasks import actions, jobs
 from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import TERMINAL, TaskStatus
-from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler
+from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler, research_reply
 
 TARGET_PER_PROCESS = 100
 STARTS = {"staged": "first steps run before the cluster started", "live": "submitted to a running cluster"}
@@ -55,40 +53,6 @@ QUESTIONS = [
     "How does string formatting work", "How do generators work", "What are decorators",
     "How do threads and processes differ",
 ]
-SOURCE = re.compile(r'source_id: (?P<id>[^\n]+)\n<untrusted origin="[^"]*">\n(?P<text>.*?)\n</untrusted>', re.DOTALL)
-PLAIN = re.compile(r"[A-Za-z0-9 ,;:'()\-.]+")
-
-
-# --- the fake's answers -----------------------------------------------------------------
-
-
-def answer(body: dict) -> str:
-    """A purpose-appropriate JSON reply to one chat-completions request."""
-    messages = body.get("messages") or [{}]
-    system = str(messages[0].get("content", ""))
-    user = str(messages[-1].get("content", ""))
-    if system.startswith("You plan research"):
-        question = user.split("Question:\n", 1)[-1].split("\n\nConstraints:", 1)[0].strip()
-        return json.dumps({"subquestions": [question, f"{question} in practice"]})
-    if system.startswith("You extract evidence"):
-        quotes = []
-        for match in SOURCE.finditer(user):
-            for quote in sentences(match["text"])[:2]:
-                quotes.append({"source_id": match["id"], "quote": quote, "score": 0.5})
-        return json.dumps({"quotes": quotes})
-    if system.startswith("You write a research report"):
-        return json.dumps({"markdown": "## Findings\n\nThe sources agree on the main points [1]."})
-    return json.dumps({"content": "ok"})
-
-
-def sentences(text: str) -> list[str]:
-    """Plain sentences of a source, safe to find again verbatim in the original text."""
-    found = []
-    for sentence in re.split(r"(?<=[.!?])\s+", text):
-        sentence = " ".join(sentence.split())
-        if 40 <= len(sentence) <= 300 and PLAIN.fullmatch(sentence):
-            found.append(sentence)
-    return found
 
 
 class _TrackingHandler(_Handler):
@@ -107,7 +71,7 @@ class TrackingFake(FakeOpenAI):
     handler_class = _TrackingHandler
 
     def __init__(self, delay: float) -> None:
-        super().__init__(default=Reply(content=answer, delay=delay))
+        super().__init__(default=Reply(content=research_reply, delay=delay))
         self.active: Counter[int] = Counter()
         self._ports_lock = threading.Lock()
 
@@ -303,7 +267,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                     sampler.start()
                     try:
                         if start == "live":
-                            h.wait_until(lambda: len(cluster.children()) >= workers, timeout=60,
+                            h.wait_until(lambda: len(cluster.descendants()) >= workers, timeout=60,
                                          message="the workers to start")
                             time.sleep(1)
                             ids, _ = submit_research(scope, tasks)

@@ -30,12 +30,16 @@ def advance(task_id: int) -> None:
 
 
 def run_operations(task_id: int) -> None:
-    """A gateway job: run due model and tool calls (of any task; the id is only who asked)."""
+    """A gateway job: run due model and tool calls (of any task; the id is only who asked).
+
+    On PostgreSQL only one gateway job claims at a time; a job that finds another claiming
+    returns at once and frees its worker for steps (see tasks/operations.py)."""
     with drain.job():
         if drain.draining.is_set():
             kicks.kick("operations", task_id)
             return
-        operations.run_due()
+        if operations.run_due() is None:
+            log.debug("gateway job for task %s: another job is claiming", task_id)
 
 
 def deliver(task_id: int) -> None:

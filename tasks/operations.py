@@ -7,6 +7,12 @@ by every process, runs them concurrently on one event loop, records each result 
 its row, and when a task's last operation of a step is done, makes the next step due
 and kicks it. A finished operation is never executed again; one whose gateway job
 died is claimed again when its lease expires.
+
+On PostgreSQL one gateway job claims at a time per database (a session advisory lock):
+one event loop keeps hundreds of calls in flight, so a second job would only hold a
+second worker process for its whole slice while step kicks queue behind both. A job
+that finds the lock taken returns at once; the holder kicks again on its way out if
+work is left, so nothing waits for the sweeper while a holder lives.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import connection, connections, transaction
+from django.db import close_old_connections, connection, connections, transaction
 from django.db.models import F, Q
 
 from tasks import clock, kicks, leases, transitions
@@ -98,6 +104,72 @@ def waits_on_tool(task_id: int, step: int) -> bool:
 # --- the gateway side ----------------------------------------------------------
 
 
+# One gateway job claims at a time, per database: the key of its session advisory lock.
+GATEWAY_TURN_KEY = zlib.crc32(b"longhaul-gateway-turn")
+
+
+def take_gateway_turn() -> bool:
+    """Try to become the job that claims operations; False when another job is claiming.
+
+    A session lock, not a transaction's: it is held across the many short claim
+    transactions of one job, and PostgreSQL drops it if the job's process dies.
+    SQLite (the embedded mode) has no advisory locks; its gateway jobs share the work.
+    """
+    # A refused job keeps its connection for the next one; drop it if it has gone bad meanwhile.
+    close_old_connections()
+    if connection.vendor != "postgresql":
+        return True
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_lock(%s)", [GATEWAY_TURN_KEY])
+        return bool(cursor.fetchone()[0])
+
+
+def end_gateway_turn() -> None:
+    if connection.vendor != "postgresql":
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [GATEWAY_TURN_KEY])
+
+
+def _waiting_task() -> Q:
+    """Operations whose task still waits for them (a cancelled or paused task's calls are not run)."""
+    return Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
+                                                        task__waiting_reason__in=("model", "tool"))
+
+
+def _due(now: datetime) -> Q:
+    """Pending, or started by a job whose lease ran out (it died)."""
+    return Q(status=OperationStatus.PENDING) | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now)
+
+
+def _in_flight(kind: str, now: datetime) -> int:
+    return Operation.objects.filter(kind=kind, status=OperationStatus.STARTED, args__isnull=False,
+                                    lease_expires_at__gte=now).count()
+
+
+def claimable_exists(now: datetime) -> bool:
+    """Due operations that a gateway job could claim now: its pool has a free slot."""
+    for kind in KINDS:
+        due = Operation.objects.filter(_due(now), _waiting_task(), kind=kind, args__isnull=False)
+        if due.exists() and _in_flight(kind, now) < pool_size(kind):
+            return True
+    return False
+
+
+def kick_if_claimable() -> bool:
+    """On a gateway job's way out: hand the work left over to the next job.
+
+    Jobs refused the turn while this one held it returned without claiming; their
+    operations were committed before they were refused, so this check sees them.
+    A pool that is full waits for the jobs running its calls, which look again when
+    they end, so this never kicks in a loop.
+    """
+    if not claimable_exists(clock.now()):
+        return False
+    kicks.kick("operations", 0)
+    return True
+
+
 def _lock_pool(kind: str) -> None:
     """Serialize claims of one pool across processes, so its cap holds everywhere."""
     if connection.vendor == "postgresql":
@@ -115,17 +187,12 @@ def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
             break
         with transaction.atomic():
             _lock_pool(kind)
-            in_flight = Operation.objects.filter(kind=kind, status=OperationStatus.STARTED, args__isnull=False,
-                                                 lease_expires_at__gte=now).count()
-            free = min(pool_size(kind) - in_flight, limit - len(claimed))
+            free = min(pool_size(kind) - _in_flight(kind, now), limit - len(claimed))
             if free <= 0:
                 continue
-            waiting = Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
-                                                                   task__waiting_reason__in=("model", "tool"))
-            due = Q(status=OperationStatus.PENDING) | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now)
             rows = list(
                 Operation.objects.select_for_update(skip_locked=True, of=("self",))
-                .filter(due, waiting, kind=kind, args__isnull=False)
+                .filter(_due(now), _waiting_task(), kind=kind, args__isnull=False)
                 .order_by("id")[:free]
             )
             for op in rows:
@@ -203,35 +270,51 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
                                 retries_used=budget.used)
 
 
-async def pump(*, owner: str, run_for: float) -> int:
-    """Claim and run operations until none are due or `run_for` seconds have passed; returns how many ran."""
+async def pump(*, owner: str, run_for: float) -> int | None:
+    """Claim and run operations until none are due or `run_for` seconds have passed; returns how
+    many ran, or None when another job holds the gateway turn."""
     import httpx
 
+    if not await sync_to_async(take_gateway_turn)():
+        return None
+    holding = True
     stop_claiming = time.monotonic() + run_for
     in_flight: set[asyncio.Task[None]] = set()
     ran = 0
     # httpx's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says.
     pool = httpx.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
                         max_keepalive_connections=settings.LONGHAUL_GATEWAY_INFLIGHT)
-    async with httpx.AsyncClient(follow_redirects=False, limits=pool) as client:
-        while True:
-            room = settings.LONGHAUL_GATEWAY_INFLIGHT - len(in_flight)
-            if room > 0 and time.monotonic() < stop_claiming:
-                batch = await sync_to_async(claim_batch)(owner=owner, limit=room, now=clock.now())
-                for op in batch:
-                    in_flight.add(asyncio.create_task(_run_one(op, owner=owner, client=client)))
-                ran += len(batch)
-            if not in_flight:
-                break
-            done, _ = await asyncio.wait(in_flight, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
-            in_flight -= done
-    # This loop's database connections live in asgiref's executor thread: give them back.
-    await sync_to_async(connections.close_all)()
+    try:
+        async with httpx.AsyncClient(follow_redirects=False, limits=pool) as client:
+            while True:
+                claiming = time.monotonic() < stop_claiming
+                if holding and not claiming and in_flight:
+                    # The slice is over: let the next job claim while this one waits for its last calls.
+                    await sync_to_async(end_gateway_turn)()
+                    holding = False
+                    await sync_to_async(kick_if_claimable)()
+                room = settings.LONGHAUL_GATEWAY_INFLIGHT - len(in_flight)
+                if room > 0 and claiming:
+                    batch = await sync_to_async(claim_batch)(owner=owner, limit=room, now=clock.now())
+                    for op in batch:
+                        in_flight.add(asyncio.create_task(_run_one(op, owner=owner, client=client)))
+                    ran += len(batch)
+                if not in_flight:
+                    break
+                done, _ = await asyncio.wait(in_flight, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                in_flight -= done
+    finally:
+        if holding:
+            await sync_to_async(end_gateway_turn)()
+        # Also after a late drain: calls due when the pool was full (of this job's calls) wait for a kick.
+        await sync_to_async(kick_if_claimable)()
+        # This loop's database connections live in asgiref's executor thread: give them back.
+        await sync_to_async(connections.close_all)()
     return ran
 
 
-def run_due(*, run_for: float | None = None) -> int:
-    """The gateway job's body: one event loop running many calls at once."""
+def run_due(*, run_for: float | None = None) -> int | None:
+    """The gateway job's body: one event loop running many calls at once (None: another job had the turn)."""
     owner = leases.worker_identity()
     return asyncio.run(pump(owner=owner, run_for=settings.LONGHAUL_GATEWAY_SLICE_SECONDS if run_for is None
                             else run_for))
@@ -239,7 +322,4 @@ def run_due(*, run_for: float | None = None) -> int:
 
 def due_exists(now: datetime) -> bool:
     """For the sweeper: operations nobody is running (pending, or their job died)."""
-    return Operation.objects.filter(args__isnull=False).filter(
-        Q(status=OperationStatus.PENDING) | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now)
-    ).filter(Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
-                                                          task__waiting_reason__in=("model", "tool"))).exists()
+    return Operation.objects.filter(_due(now), _waiting_task(), args__isnull=False).exists()

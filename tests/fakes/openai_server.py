@@ -7,11 +7,19 @@
 
 Each request takes the next scripted behaviour, or `default` once the script is used up.
 `max_in_flight` is the largest number of requests the server was handling at once.
+
+For research tasks driven end to end, `Reply(content=research_reply)` answers each request as
+its purpose asks (plan, extract, draft), and `hold(predicate)` keeps matching requests waiting
+until the returned gate opens, so a test can stop a task between two phases:
+
+    with FakeOpenAI(default=Reply(content=research_reply, delay=1.0)) as server:
+        gate = server.hold(lambda body: purpose_of(body) == "extract")
 """
 
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -57,6 +65,58 @@ class RawBody:
 Behaviour = Reply | Status | RawBody
 
 
+# --- answers for research tasks ---------------------------------------------------------
+
+# The system prompts tasks/gateway/models.py sends, by the words they start with.
+PURPOSES = {"You plan research": "plan", "You extract evidence": "extract", "You write a research report": "draft"}
+SOURCE = re.compile(r'source_id: (?P<id>[^\n]+)\n<untrusted origin="[^"]*">\n(?P<text>.*?)\n</untrusted>', re.DOTALL)
+PLAIN = re.compile(r"[A-Za-z0-9 ,;:'()\-.]+")
+
+
+def purpose_of(body: dict[str, Any]) -> str:
+    """plan, extract, draft, or chat: what a chat-completions request from the research gateway is for."""
+    messages = body.get("messages") or [{}]
+    system = str(messages[0].get("content", ""))
+    return next((name for prefix, name in PURPOSES.items() if system.startswith(prefix)), "chat")
+
+
+def prompt_of(body: dict[str, Any]) -> tuple[str, str]:
+    """(purpose, last user message): tells apart the calls of different tasks and sub-questions."""
+    messages = body.get("messages") or [{}]
+    return purpose_of(body), str(messages[-1].get("content", ""))
+
+
+def research_reply(body: dict[str, Any]) -> str:
+    """A purpose-appropriate JSON reply: two sub-questions for a plan, quotes copied verbatim from the
+    sources in the request for an extraction (so they pass the gateway's check), a cited draft."""
+    purpose, user = prompt_of(body)
+    if purpose == "plan":
+        question = user.split("Question:\n", 1)[-1].split("\n\nConstraints:", 1)[0].strip()
+        return json.dumps({"subquestions": [question, f"{question} in practice"]})
+    if purpose == "extract":
+        quotes = []
+        for match in SOURCE.finditer(user):
+            for quote in plain_sentences(match["text"])[:2]:
+                quotes.append({"source_id": match["id"], "quote": quote, "score": 0.5})
+        return json.dumps({"quotes": quotes})
+    if purpose == "draft":
+        return json.dumps({"markdown": "## Findings\n\nThe sources agree on the main points [1]."})
+    return json.dumps({"content": "ok"})
+
+
+def plain_sentences(text: str) -> list[str]:
+    """Plain sentences of a source, safe to find again verbatim in the original text."""
+    found = []
+    for sentence in re.split(r"(?<=[.!?])\s+", text):
+        sentence = " ".join(sentence.split())
+        if 40 <= len(sentence) <= 300 and PLAIN.fullmatch(sentence):
+            found.append(sentence)
+    return found
+
+
+# --- the server --------------------------------------------------------------------------
+
+
 class _Handler(QuietHandler):
     protocol_version = "HTTP/1.1"
 
@@ -70,6 +130,7 @@ class _Handler(QuietHandler):
         body = json.loads(raw or b"{}")
         behaviour = server.begin(body, dict(self.headers))
         try:
+            server.wait_at_gates(body)
             server.wait(getattr(behaviour, "delay", 0.0))
             if server.stopping.is_set():
                 return
@@ -123,6 +184,8 @@ class FakeOpenAI(LoopbackServer):
         self.headers: list[dict[str, str]] = []
         self.in_flight = 0
         self.max_in_flight = 0
+        self.held = 0  # requests waiting at a closed gate now
+        self._gates: list[tuple[Callable[[dict[str, Any]], bool], threading.Event]] = []
 
     @property
     def base_url(self) -> str:
@@ -146,6 +209,25 @@ class FakeOpenAI(LoopbackServer):
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             return self._script.popleft() if self._script else self.default
+
+    def hold(self, predicate: Callable[[dict[str, Any]], bool]) -> threading.Event:
+        """Keep requests whose body matches waiting until the returned gate is set (or the server stops)."""
+        gate = threading.Event()
+        with self._lock:
+            self._gates.append((predicate, gate))
+        return gate
+
+    def wait_at_gates(self, body: dict[str, Any]) -> None:
+        with self._lock:
+            closed = [gate for predicate, gate in self._gates if not gate.is_set() and predicate(body)]
+            self.held += len(closed) > 0
+        try:
+            for gate in closed:
+                while not gate.wait(0.05) and not self.stopping.is_set():
+                    pass
+        finally:
+            with self._lock:
+                self.held -= len(closed) > 0
 
     def end(self) -> None:
         with self._lock:

@@ -1,0 +1,78 @@
+"""One gateway job claims at a time on PostgreSQL; the others return at once, and work left
+over when the claiming job ends is kicked on to the next job."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from django.db import connection
+from django_q.models import OrmQ
+from django_q.signing import SignedPackage
+
+from tasks import actions, jobs, operations
+from tasks.models import Operation, Task
+from tasks.statuses import OperationStatus
+
+pytestmark = [pytest.mark.django_db(transaction=True),
+              pytest.mark.skipif("connection.vendor != 'postgresql'", reason="advisory locks are PostgreSQL's")]
+
+
+@pytest.fixture(autouse=True)
+def _settings(settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+
+
+@pytest.fixture
+def other_session() -> Iterator[psycopg.Connection]:
+    """A second database session, as another worker process's gateway job would have."""
+    s = connection.settings_dict
+    with psycopg.connect(host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"],
+                         password=s["PASSWORD"] or None, dbname=s["NAME"], autocommit=True) as session:
+        yield session
+
+
+def waiting_for_its_plan(tenant, user) -> Task:
+    task, _ = actions.submit(tenant=tenant, user=user, submission=actions.Submission(
+        kind="research", input={"question": "How does asyncio task cancellation work?"}))
+    jobs.advance(task.pk)  # the first step asks for the plan call
+    assert Operation.objects.filter(task=task, status=OperationStatus.PENDING).count() == 1
+    return task
+
+
+def gateway_kicks() -> int:
+    return sum(SignedPackage.loads(p)["func"] == "tasks.jobs.run_operations"
+               for p in OrmQ.objects.values_list("payload", flat=True))
+
+
+def test_it_runs_nothing_while_another_job_has_the_turn(acme, alice, other_session):
+    task = waiting_for_its_plan(acme, alice)
+    other_session.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
+    assert operations.run_due(run_for=2) is None
+    assert Operation.objects.get(task=task).status == OperationStatus.PENDING
+    other_session.execute("SELECT pg_advisory_unlock(%s)", [operations.GATEWAY_TURN_KEY])
+    assert operations.run_due(run_for=2) == 1
+    assert Operation.objects.get(task=task).status == OperationStatus.SUCCEEDED
+
+
+def test_it_gives_the_turn_back_when_it_ends(acme, alice, other_session):
+    waiting_for_its_plan(acme, alice)
+    assert operations.run_due(run_for=2) == 1
+    taken = other_session.execute("SELECT pg_try_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY]).fetchone()[0]
+    assert taken, "the job released the gateway turn"
+
+
+def test_a_job_whose_slice_ends_with_calls_due_kicks_the_next_job(acme, alice):
+    task = waiting_for_its_plan(acme, alice)
+    OrmQ.objects.all().delete()
+    assert operations.run_due(run_for=0) == 0  # its slice is over before it claims anything
+    assert Operation.objects.get(task=task).status == OperationStatus.PENDING
+    assert gateway_kicks() == 1, "the work left over was handed to the next gateway job"
+
+
+def test_a_job_that_finished_everything_kicks_nobody(acme, alice):
+    waiting_for_its_plan(acme, alice)
+    OrmQ.objects.all().delete()
+    assert operations.run_due(run_for=2) == 1
+    assert gateway_kicks() == 0
