@@ -18,7 +18,7 @@ from chat import tools
 from chat.models import Message, Run
 from tasks.gateway.untrusted import frame, neutralize_name
 from tasks.models import Task
-from tasks.statuses import TaskStatus
+from tasks.statuses import TERMINAL, TaskStatus
 
 HISTORY = 20
 MAX_TOOL_ROUNDS = 4
@@ -28,6 +28,8 @@ LIST = re.compile(r"\b(what(?:'s| is| are)? (?:running|going on|you working on)|
                   r"what tasks)\b", re.IGNORECASE)
 CANCEL = re.compile(r"^\s*(?:please\s+)?(?:cancel|stop|abort)\s+(?P<name>.+?)\s*[.!]?\s*$", re.IGNORECASE)
 ANSWER = re.compile(r"^\s*answer\s+(?P<name>[^:]*):\s*(?P<answer>.+)$", re.IGNORECASE | re.DOTALL)
+REMOTE = re.compile(r"^\s*(?:please\s+)?(?:run|use|start)\s+(?:the\s+)?(?P<tool>[\w.-]+)(?:\s+tool)?\s+on\s+"
+                    r"(?P<server>[\w-]+)(?:\s+with\s+(?P<args>\{.*\}))?\s*[.!]?\s*$", re.IGNORECASE | re.DOTALL)
 TEST_TASK = re.compile(r"^\s*(?:start|run) a (?:test|sleep) task(?: (?:of|with) (?P<steps>\d+) steps?)?",
                        re.IGNORECASE)
 
@@ -72,6 +74,9 @@ def tell_about_task(run: Run) -> Reply:
         text = f"**{name}** failed: {task.error_message or task.error_class}."
     elif task.status == TaskStatus.CANCELLED:
         text = f"**{name}** was cancelled. Everything it recorded is kept."
+    elif task.tracking_degraded and task.status not in TERMINAL:
+        text = (f"**{name}**: the remote server has stopped answering. The task keeps trying and I'll tell you "
+                f"how it ends.")
     elif task.status == TaskStatus.WAITING_INPUT:
         text = (f"**{name}** needs your answer: {task.question}\n\n"
                 f"Reply with “answer {name}: …”, or use the answer box in the task panel.")
@@ -101,13 +106,31 @@ def _respond_offline(run: Run) -> Reply:
         reply = tools.start_background_task(run, kind="sleep", name=f"Test task ({steps} steps)",
                                             input={"steps": steps, "step_seconds": 1})
         return Reply(f"{reply.text} I'll tell you here when it ends.", reply.data)
+    if match := REMOTE.match(text):
+        return _start_remote(run, match)
     if match := CANCEL.match(text):
         reply = tools.cancel_background_task(run, name=match["name"])
         return Reply(reply.text, reply.data)
     if LIST.search(text):
         return Reply(_describe_tasks(run), {})
+    hint = ""
+    if servers := tools.remote_servers(run):
+        hint = f" Remote tools run too: “run <tool> on {servers[0]['name']} with {{…}}”."
     return Reply("I run long jobs in the background and tell you here when they finish. Try “research how asyncio "
-                 "cancellation works”, “what is running?”, or “cancel the asyncio research”.", {})
+                 "cancellation works”, “what is running?”, or “cancel the asyncio research”." + hint, {})
+
+
+def _start_remote(run: Run, match: re.Match[str]) -> Reply:
+    try:
+        arguments = json.loads(match["args"]) if match["args"] else {}
+    except json.JSONDecodeError as exc:
+        return Reply(f"The arguments are not valid JSON ({exc.msg} at character {exc.pos}).", {"error": True})
+    if not isinstance(arguments, dict):
+        return Reply("The arguments must be a JSON object, like {\"topic\": \"sales\"}.", {"error": True})
+    reply = tools.start_remote_tool(run, server=match["server"], tool=match["tool"], arguments=arguments)
+    if reply.data.get("error"):
+        return Reply(reply.text, reply.data)
+    return Reply(f"{reply.text} I'll tell you here when it ends, or if it needs your answer.", reply.data)
 
 
 def _describe_tasks(run: Run) -> str:
@@ -135,6 +158,14 @@ TOOL_SCHEMAS = [
             "name": {"type": "string", "description": "A short name the user will recognise"},
             "question": {"type": "string"}}, "required": ["name", "question"]}}},
     {"type": "function", "function": {
+        "name": "start_remote_tool",
+        "description": "Run a tool of a configured remote MCP server as a background task.",
+        "parameters": {"type": "object", "properties": {
+            "server": {"type": "string", "description": "One of the configured servers"},
+            "tool": {"type": "string"}, "arguments": {"type": "object"},
+            "name": {"type": "string", "description": "A short name the user will recognise"}},
+            "required": ["server", "tool"]}}},
+    {"type": "function", "function": {
         "name": "list_background_tasks", "description": "List this conversation's background tasks.",
         "parameters": {"type": "object", "properties": {}}}},
     {"type": "function", "function": {
@@ -154,7 +185,10 @@ def _history(run: Run) -> list[dict[str, str]]:
     messages = list(Message.objects.filter(thread_id=run.thread_id, hidden=False).order_by("-id")[:HISTORY])
     history = [{"role": m.role if m.role != "tool" else "assistant", "content": m.content} for m in reversed(messages)]
     tasks_view = json.dumps([tools.project(t) for t in tools.thread_tasks(run.thread)])
+    servers = json.dumps(tools.remote_servers(run))
     return [{"role": "system", "content": SYSTEM},
+            {"role": "system", "content": "Remote MCP servers you may use with start_remote_tool:\n"
+                                          + frame(servers, origin="configuration")},
             {"role": "system", "content": "Background tasks of this conversation:\n" + frame(tasks_view,
                                                                                              origin="tasks")},
             *history]
@@ -164,6 +198,10 @@ def _call_tool(run: Run, name: str, args: dict[str, Any], n: int) -> tools.ToolR
     if name == "start_background_task":
         return tools.start_background_task(run, kind="research", name=str(args.get("name", ""))[:200],
                                            input={"question": str(args.get("question", ""))}, n=n)
+    if name == "start_remote_tool":
+        arguments = args.get("arguments") if isinstance(args.get("arguments"), dict) else {}
+        return tools.start_remote_tool(run, server=str(args.get("server", "")), tool=str(args.get("tool", "")),
+                                       arguments=arguments, name=str(args.get("name", ""))[:200], n=n)
     if name == "list_background_tasks":
         return tools.list_background_tasks(run)
     if name == "cancel_background_task":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import uuid
 
 from django.db.models import OuterRef, QuerySet, Subquery
+from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.request import Request
@@ -14,20 +15,28 @@ from rest_framework.views import APIView
 from chat import runs
 from chat.models import Message, Run, Thread
 from chat.serializers import (
+    MessagePageSerializer,
     MessageSerializer,
+    PanelPageSerializer,
     PanelTaskSerializer,
     PostMessageSerializer,
     RunSerializer,
+    ThreadPageSerializer,
     ThreadSerializer,
     ThreadWriteSerializer,
 )
 from project.api_errors import ApiError
-from tasks.api import ERRORS, IDEMPOTENCY_KEY, _int_param, request_tenant
+from tasks.api import (
+    CURSOR, ERRORS, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_PARAMETER, READ_ERRORS, _int_param, request_tenant,
+)
 from tasks.models import Task, TaskEvent
 from tasks.statuses import TERMINAL
 
+THREAD_ID = OpenApiParameter("thread_id", OpenApiTypes.UUID, OpenApiParameter.PATH)
+MAX_MESSAGES_PAGE = 500
 PHASES = ("admitted", "planning", "searching", "source_read", "evidence_added", "drafting", "waiting_tool",
-          "retry_scheduled", "input_required", "step_done", "recovered", "paused", "cancel_requested")
+          "retry_scheduled", "input_required", "step_done", "recovered", "paused", "cancel_requested",
+          "remote_started", "progress", "answer_sent", "cancelling_remote")
 
 
 def owned_threads(request: Request) -> QuerySet[Thread]:
@@ -55,7 +64,7 @@ def panel_tasks(thread: Thread) -> list[Task]:
 
 
 class ThreadList(APIView):
-    @extend_schema(responses={200: ThreadSerializer(many=True)})
+    @extend_schema(responses={200: ThreadPageSerializer, 401: ERRORS[401], 403: ERRORS[403]})
     def get(self, request: Request) -> Response:
         threads = owned_threads(request).order_by("-updated_at")[:200]
         return Response({"results": ThreadSerializer(threads, many=True).data})
@@ -70,11 +79,11 @@ class ThreadList(APIView):
 
 
 class ThreadDetail(APIView):
-    @extend_schema(responses={200: ThreadSerializer, 404: ERRORS[404]})
+    @extend_schema(parameters=[THREAD_ID], responses={200: ThreadSerializer, **READ_ERRORS})
     def get(self, request: Request, thread_id: str) -> Response:
         return Response(ThreadSerializer(get_thread(request, thread_id)).data)
 
-    @extend_schema(request=ThreadWriteSerializer, responses={200: ThreadSerializer, **ERRORS})
+    @extend_schema(request=ThreadWriteSerializer, parameters=[THREAD_ID], responses={200: ThreadSerializer, **ERRORS})
     def patch(self, request: Request, thread_id: str) -> Response:
         thread = get_thread(request, thread_id)
         body = ThreadWriteSerializer(data=request.data)
@@ -83,7 +92,7 @@ class ThreadDetail(APIView):
         thread.save(update_fields=["title", "updated_at"])
         return Response(ThreadSerializer(thread).data)
 
-    @extend_schema(responses={204: None, 404: ERRORS[404]})
+    @extend_schema(parameters=[THREAD_ID], responses={204: None, **READ_ERRORS})
     def delete(self, request: Request, thread_id: str) -> Response:
         thread = get_thread(request, thread_id)
         # Marked, not removed: its tasks keep running, and are no longer told in chat.
@@ -92,12 +101,14 @@ class ThreadDetail(APIView):
 
 
 class ThreadMessages(APIView):
-    @extend_schema(parameters=[OpenApiParameter("after", int), OpenApiParameter("limit", int)],
-                   responses={200: MessageSerializer(many=True), 404: ERRORS[404]})
+    @extend_schema(parameters=[THREAD_ID, OpenApiParameter("after", CURSOR),
+                               OpenApiParameter("limit", {"type": "integer", "minimum": 1,
+                                                          "maximum": MAX_MESSAGES_PAGE})],
+                   responses={200: MessagePageSerializer, 400: ERRORS[400], **READ_ERRORS})
     def get(self, request: Request, thread_id: str) -> Response:
         thread = get_thread(request, thread_id)
         after = _int_param(request, "after", 0, low=0, high=2**62)
-        limit = _int_param(request, "limit", 100, low=1, high=500)
+        limit = _int_param(request, "limit", 100, low=1, high=MAX_MESSAGES_PAGE)
         messages = list(Message.objects.filter(thread=thread, hidden=False, id__gt=after)
                         .select_related("run").order_by("id")[:limit])
         busy = Run.objects.filter(thread=thread, status__in=runs.ACTIVE).exists()
@@ -105,8 +116,8 @@ class ThreadMessages(APIView):
                          "next_after": messages[-1].id if messages else after, "busy": busy})
 
     @extend_schema(request=PostMessageSerializer,
-                   parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER)],
-                   responses={202: RunSerializer, **ERRORS})
+                   parameters=[THREAD_ID, IDEMPOTENCY_KEY_PARAMETER],
+                   responses={202: RunSerializer, 200: RunSerializer, **ERRORS})
     def post(self, request: Request, thread_id: str) -> Response:
         thread = get_thread(request, thread_id)
         body = PostMessageSerializer(data=request.data)
@@ -124,7 +135,7 @@ class ThreadMessages(APIView):
 
 
 class ThreadTasks(APIView):
-    @extend_schema(responses={200: PanelTaskSerializer(many=True), 404: ERRORS[404]})
+    @extend_schema(parameters=[THREAD_ID], responses={200: PanelPageSerializer, **READ_ERRORS})
     def get(self, request: Request, thread_id: str) -> Response:
         thread = get_thread(request, thread_id)
         tasks = panel_tasks(thread)

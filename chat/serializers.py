@@ -6,7 +6,8 @@ from rest_framework import serializers
 
 from chat.models import Message, Run, Thread
 from tasks.models import Task
-from tasks.statuses import NotificationStatus, TERMINAL
+from tasks.serializers import SOME_TEXT, StrictCharField
+from tasks.statuses import TERMINAL, ErrorClass, NotificationStatus
 
 
 class ThreadSerializer(serializers.ModelSerializer):
@@ -19,7 +20,7 @@ class ThreadSerializer(serializers.ModelSerializer):
 
 
 class ThreadWriteSerializer(serializers.Serializer):
-    title = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    title = StrictCharField(max_length=200, required=False, allow_blank=True, default="")
 
 
 class MessageSerializer(serializers.ModelSerializer):
@@ -41,7 +42,7 @@ class MessageSerializer(serializers.ModelSerializer):
 
 
 class PostMessageSerializer(serializers.Serializer):
-    content = serializers.CharField(max_length=8000, trim_whitespace=True)
+    content = StrictCharField(max_length=8000, trim_whitespace=True, validators=[SOME_TEXT])
 
 
 class RunSerializer(serializers.ModelSerializer):
@@ -61,11 +62,13 @@ class PanelTaskSerializer(serializers.ModelSerializer):
     phase = serializers.SerializerMethodField()
     notification = serializers.SerializerMethodField()
     cancel_requested = serializers.SerializerMethodField()
+    # Declared so the schema says "" (no error yet) is a value: a read-only model field loses allow_blank.
+    error_class = serializers.ChoiceField(choices=ErrorClass.choices, allow_blank=True, read_only=True)
 
     class Meta:
         model = Task
         fields = ["id", "name", "kind", "status", "is_terminal", "phase", "question", "error_class", "error_message",
-                  "cancel_requested", "result_version", "notification", "created_at", "started_at", "finished_at",
+                  "cancel_requested", "tracking_degraded", "result_version", "notification", "created_at", "started_at", "finished_at",
                   "updated_at", "last_event_seq"]
         read_only_fields = fields
 
@@ -81,3 +84,19 @@ class PanelTaskSerializer(serializers.ModelSerializer):
     def get_notification(self, task: Task) -> str | None:
         troubled = (NotificationStatus.RETRY, NotificationStatus.DEAD_LETTER)
         return task.notification_status if task.notification_status in troubled else None
+
+
+# The list endpoints answer an object around the list; these name that envelope for the schema.
+class ThreadPageSerializer(serializers.Serializer):
+    results = ThreadSerializer(many=True)
+
+
+class MessagePageSerializer(serializers.Serializer):
+    results = MessageSerializer(many=True)
+    next_after = serializers.IntegerField()
+    busy = serializers.BooleanField()
+
+
+class PanelPageSerializer(serializers.Serializer):
+    results = PanelTaskSerializer(many=True)
+    active = serializers.IntegerField()

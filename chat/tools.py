@@ -88,6 +88,20 @@ def start_background_task(run: Run, *, kind: str, name: str, input: dict[str, An
                      {"started": str(task.public_id), "created": created})
 
 
+def start_remote_tool(run: Run, *, server: str, tool: str, arguments: dict[str, Any], name: str = "",
+                      n: int = 0) -> ToolReply:
+    """Run a tool of a configured MCP server as a background task; the thread is told how it ends."""
+    return start_background_task(run, kind="mcp", name=name or f"{tool} on {server}",
+                                 input={"server": server, "tool": tool, "arguments": arguments}, n=n)
+
+
+def remote_servers(run: Run) -> list[dict[str, str]]:
+    """The MCP servers this thread's workspace may use, by name, for the agent."""
+    from tasks.mcp import config
+
+    return [{"name": s.name, "description": s.description} for s in config.for_tenant(run.thread.tenant.slug)]
+
+
 def list_background_tasks(run: Run) -> ToolReply:
     views = [project(t) for t in thread_tasks(run.thread)]
     return ToolReply(str(views), {"tasks": len(views)})

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.exceptions import PermissionDenied
+from django.conf import settings
+from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -44,6 +45,11 @@ def _first_validation_error(detail: Any, prefix: str = "") -> tuple[str | None, 
 def render_api_error(exc: Exception, context: dict[str, Any]) -> Response | None:
     if isinstance(exc, ApiError):
         return Response(_body(str(exc.detail), exc.error_code, exc.field), status=exc.status_code)
+    if isinstance(exc, RequestDataTooBig):
+        # Raised by Django when DRF reads request.body; unhandled it becomes Django's bare HTML 400.
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return Response(_body(f"the body is larger than the limit of {limit} bytes", "body_too_large"),
+                        status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
     if isinstance(exc, InvalidInput):
         return Response(_body(str(exc), "invalid_input", exc.field), status=status.HTTP_400_BAD_REQUEST)
     if isinstance(exc, Conflict):

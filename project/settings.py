@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+from datetime import timedelta
 from pathlib import Path
 
 from django.core.exceptions import ImproperlyConfigured
@@ -47,6 +48,7 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "channels",
     "django_q",
+    "axes",
     "tasks",
     "chat",
 ]
@@ -61,6 +63,8 @@ MIDDLEWARE = [
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "tasks.tenancy.TenantMiddleware",
+    # Last, as django-axes asks: it turns a locked-out sign-in into the lockout page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "project.urls"
@@ -113,6 +117,25 @@ AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
+# Sign-in rate limiting (django-axes): after LONGHAUL_LOGIN_MAX_FAILURES failed sign-ins for one
+# username from one IP address, that pair is locked out for LONGHAUL_LOGIN_LOCKOUT_SECONDS; other users,
+# and the same user elsewhere, are unaffected. Counts live in the database, shared by every web process.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",  # first: refuses a locked-out pair before any password check
+    "django.contrib.auth.backends.ModelBackend",
+]
+LONGHAUL_LOGIN_MAX_FAILURES = envint("LONGHAUL_LOGIN_MAX_FAILURES", 5, minimum=1)
+LONGHAUL_LOGIN_LOCKOUT_SECONDS = envint("LONGHAUL_LOGIN_LOCKOUT_SECONDS", 15 * 60, minimum=1)
+AXES_ENABLED = envbool("LONGHAUL_LOGIN_LIMIT", True)
+AXES_FAILURE_LIMIT = LONGHAUL_LOGIN_MAX_FAILURES
+AXES_COOLOFF_TIME = timedelta(seconds=LONGHAUL_LOGIN_LOCKOUT_SECONDS)
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+# A try while locked out does not restart the period, so the page's "try again in N minutes" holds.
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+AXES_LOCKOUT_CALLABLE = "project.views.sign_in_locked_out"
+AXES_DISABLE_ACCESS_LOG = True  # successful sign-ins are not kept: the table would only grow
+# The client address is REMOTE_ADDR. Behind a proxy, set AXES_CLIENT_IP_CALLABLE to read the proxy's header.
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
@@ -153,12 +176,16 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "Durable, multi-tenant background tasks for long-running agent work.",
     "VERSION": "0.1.0",
     "SERVE_INCLUDE_SCHEMA": False,
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums", "project.openapi.document_task_kinds"],
     "ENUM_NAME_OVERRIDES": {
         "TaskStatusEnum": "tasks.statuses.TaskStatus",
         "RunStatusEnum": "chat.models.Run.Status",
     },
 }
+# The largest request body; project.parsers enforces it for JSON (413), Django for forms.
 DATA_UPLOAD_MAX_MEMORY_SIZE = envint("LONGHAUL_MAX_BODY_BYTES", 1_000_000, minimum=1024)
+# Deepest JSON nesting a request may use: far above any real input, far below the recursion limit.
+LONGHAUL_MAX_JSON_DEPTH = envint("LONGHAUL_MAX_JSON_DEPTH", 64, minimum=2, maximum=500)
 
 # --- django-q2: the transport. The Task table is the truth. ---------------------
 # A gateway job may run calls for its slice plus one operation lease: keep the timeout above that.
@@ -224,11 +251,28 @@ LONGHAUL_STREAM_SAFETY_POLL_S = envfloat("LONGHAUL_STREAM_SAFETY_POLL_S", 15.0, 
 LONGHAUL_ALERT_EMAIL = envbool("LONGHAUL_ALERT_EMAIL", False)
 LONGHAUL_NOTIFIER = envstr("LONGHAUL_NOTIFIER", "chat.notify.deliver")
 
+# Remote MCP tasks (tasks/mcp/config.py describes the servers file).
+LONGHAUL_MCP_SERVERS = envstr("LONGHAUL_MCP_SERVERS")  # path of a TOML or JSON file; empty: no servers
+LONGHAUL_MCP_POLL_FLOOR_MS = envint("LONGHAUL_MCP_POLL_FLOOR_MS", 500, minimum=10)
+LONGHAUL_MCP_POLL_CEILING_MS = envint("LONGHAUL_MCP_POLL_CEILING_MS", 30_000, minimum=10)
+LONGHAUL_MCP_BACKOFF_CAP_SECONDS = envfloat("LONGHAUL_MCP_BACKOFF_CAP_SECONDS", 300.0, minimum=0.01)
+LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = envfloat("LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS", 60.0, minimum=0.0)
+LONGHAUL_MCP_RESULT_PREVIEW_CHARS = envint("LONGHAUL_MCP_RESULT_PREVIEW_CHARS", 2_000, minimum=100)
+LONGHAUL_MCP_RESULT_MAX_CHARS = envint("LONGHAUL_MCP_RESULT_MAX_CHARS", 200_000, minimum=1_000)
+
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
+    # Every handler carries redact_secrets (project/logging.py): keys, tokens and passwords are replaced.
+    "filters": {"redact_secrets": {"()": "project.logging.RedactSecrets"}},
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain", "filters": ["redact_secrets"]}},
     "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
-    "loggers": {"django-q": {"level": envstr("Q_LOG_LEVEL", "WARNING")}},  # django-q2 logs as "django-q"
+    "loggers": {
+        "django-q": {"level": envstr("Q_LOG_LEVEL", "WARNING")},  # django-q2 logs as "django-q"
+        # httpx logs every request's URL at INFO, and the URLs the research tools visit come from task
+        # input and observations, which stay out of INFO logs.
+        "httpx": {"level": "WARNING"},
+        "httpcore": {"level": "WARNING"},
+    },
 }

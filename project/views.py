@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.forms import AuthenticationForm
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import render
@@ -28,3 +33,16 @@ def server_error(request: HttpRequest) -> HttpResponse:
     if request.path.startswith("/api/"):
         return JsonResponse({"error": "internal error", "code": "internal"}, status=500)
     return render(request, "500.html", status=500)
+
+
+def sign_in_locked_out(request: HttpRequest, original_response: HttpResponse | None = None,
+                       credentials: dict[str, Any] | None = None) -> HttpResponse:
+    """django-axes lockout response: the sign-in page again, saying why and for how long (429)."""
+    minutes = math.ceil(settings.LONGHAUL_LOGIN_LOCKOUT_SECONDS / 60)
+    username = (credentials or {}).get("username") or request.POST.get("username", "")
+    form = AuthenticationForm(request, initial={"username": username})
+    response = render(request, "registration/login.html", {
+        "form": form, "locked_out_minutes": minutes, "next": request.POST.get("next", ""),
+    }, status=429)
+    response["Retry-After"] = str(settings.LONGHAUL_LOGIN_LOCKOUT_SECONDS)
+    return response

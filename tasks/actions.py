@@ -40,7 +40,7 @@ class Submission:
 def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, bool]:
     """Create a task, or return the one this idempotency key already made. (task, created)."""
     driver = get_driver(submission.kind)
-    task_input = driver.validate_input(submission.input)
+    task_input = driver.validate_input(submission.input, tenant=tenant)
     budget = Budget.parse(submission.budget)
     name = (submission.name or "").strip() or f"{submission.kind} task"
     if len(name) > MAX_NAME:

@@ -11,7 +11,7 @@ from django.apps import apps
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
-from rest_framework import generics, serializers, status
+from rest_framework import exceptions, generics, serializers, status
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -37,7 +37,17 @@ from tasks.tenancy import TENANT_HEADER, tenant_for
 
 IDEMPOTENCY_KEY = re.compile(r"^[\x21-\x7e]{1,255}$")
 MAX_EVENTS_PAGE = 1000
-ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 404, 409, 429)}
+ERRORS = {code: OpenApiResponse(ErrorSerializer) for code in (400, 401, 403, 404, 409, 429)}
+# What any authenticated read may answer besides 200: no credentials, no tenant, no such object.
+READ_ERRORS = {code: ERRORS[code] for code in (401, 403, 404)}
+# Ids are UUIDs; the routes take any string so a malformed id answers the same 404 as a missing one.
+TASK_ID = OpenApiParameter("task_id", OpenApiTypes.UUID, OpenApiParameter.PATH)
+STATUS_LIST = "^({0})(,({0}))*$".format("|".join(TaskStatus.values))
+CURSOR = {"type": "integer", "minimum": 0, "maximum": 2**62}
+IDEMPOTENCY_KEY_PARAMETER = OpenApiParameter(
+    "Idempotency-Key", {"type": "string", "pattern": IDEMPOTENCY_KEY.pattern}, OpenApiParameter.HEADER,
+    description="Same key and same request: the same answer, not a second one. 1 to 255 printable ASCII "
+                "characters without spaces.")
 
 
 def request_tenant(request: Request) -> Tenant:
@@ -77,7 +87,7 @@ def get_visible_task(request: Request, task_id: str) -> Task:
 
 def _int_param(request: Request, name: str, default: int, *, low: int, high: int) -> int:
     raw = request.query_params.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return default
     try:
         value = int(raw)
@@ -94,6 +104,17 @@ class TaskPagination(CursorPagination):
     page_size_query_param = "limit"
     max_page_size = 200
 
+    def get_page_size(self, request: Request) -> int:
+        # DRF falls back to the default on a bad limit; a client asking for limit=abc should hear about it.
+        return _int_param(request, self.page_size_query_param, self.page_size, low=1, high=self.max_page_size)
+
+    def decode_cursor(self, request: Request) -> Any:
+        # DRF answers a bad cursor with 404, as if the list were missing; it is bad input.
+        try:
+            return super().decode_cursor(request)
+        except exceptions.NotFound:
+            raise ApiError("cursor is not one this API handed out", code="invalid_input", field="cursor") from None
+
 
 class TaskListCreate(generics.ListAPIView):
     serializer_class = TaskSerializer
@@ -102,7 +123,8 @@ class TaskListCreate(generics.ListAPIView):
     def get_queryset(self) -> QuerySet[Task]:
         tasks = visible_tasks(self.request)
         params = self.request.query_params
-        if status_filter := params.get("status"):
+        # Present but empty is bad input like any other value, not "no filter".
+        if (status_filter := params.get("status")) is not None:
             wanted = status_filter.split(",")
             unknown = sorted(set(wanted) - set(TaskStatus.values))
             if unknown:
@@ -110,26 +132,26 @@ class TaskListCreate(generics.ListAPIView):
             tasks = tasks.filter(status__in=wanted)
         if kind := params.get("kind"):
             tasks = tasks.filter(kind=kind)
-        if thread := params.get("thread"):
+        if (thread := params.get("thread")) is not None:
             tasks = tasks.filter(thread__public_id=_uuid(thread, field="thread"))
         return tasks
 
     @extend_schema(
         parameters=[
-            OpenApiParameter("status", str, description="Comma-separated statuses"),
+            OpenApiParameter("status", {"type": "string", "pattern": STATUS_LIST},
+                             description="Comma-separated statuses"),
             OpenApiParameter("kind", str),
             OpenApiParameter("thread", OpenApiTypes.UUID),
-            OpenApiParameter("limit", int),
+            OpenApiParameter("limit", {"type": "integer", "minimum": 1, "maximum": TaskPagination.max_page_size}),
         ],
-        responses={200: TaskSerializer(many=True), 401: ERRORS[401]},
+        responses={200: TaskSerializer(many=True), 400: ERRORS[400], 401: ERRORS[401], 403: ERRORS[403]},
     )
     def get(self, request: Request, *args: Any, **kwargs: Any) -> Response:
         return super().get(request, *args, **kwargs)
 
     @extend_schema(
         request=SubmitSerializer,
-        parameters=[OpenApiParameter("Idempotency-Key", str, OpenApiParameter.HEADER,
-                                     description="Same key and same request: the same task, not a second one.")],
+        parameters=[IDEMPOTENCY_KEY_PARAMETER],
         responses={201: TaskSerializer, 200: TaskSerializer, **ERRORS},
     )
     def post(self, request: Request) -> Response:
@@ -162,16 +184,16 @@ class TaskListCreate(generics.ListAPIView):
 
 
 class TaskDetail(APIView):
-    @extend_schema(responses={200: TaskSerializer, 404: ERRORS[404]})
+    @extend_schema(parameters=[TASK_ID], responses={200: TaskSerializer, **READ_ERRORS})
     def get(self, request: Request, task_id: str) -> Response:
         return Response(TaskSerializer(get_visible_task(request, task_id)).data)
 
 
 class TaskEvents(APIView):
     @extend_schema(
-        parameters=[OpenApiParameter("after", int, description="Last seq seen; 0 for all"),
-                    OpenApiParameter("limit", int)],
-        responses={200: EventPageSerializer, 400: ERRORS[400], 404: ERRORS[404]},
+        parameters=[TASK_ID, OpenApiParameter("after", CURSOR, description="Last seq seen; 0 for all"),
+                    OpenApiParameter("limit", {"type": "integer", "minimum": 1, "maximum": MAX_EVENTS_PAGE})],
+        responses={200: EventPageSerializer, 400: ERRORS[400], **READ_ERRORS},
     )
     def get(self, request: Request, task_id: str) -> Response:
         task = get_visible_task(request, task_id)
@@ -185,7 +207,7 @@ class TaskEvents(APIView):
 
 
 class TaskResult(APIView):
-    @extend_schema(responses={200: ResultSerializer, 404: ERRORS[404], 409: ERRORS[409]})
+    @extend_schema(parameters=[TASK_ID], responses={200: ResultSerializer, 409: ERRORS[409], **READ_ERRORS})
     def get(self, request: Request, task_id: str) -> Response:
         task = get_visible_task(request, task_id)
         if task.result_version == 0:
@@ -211,7 +233,8 @@ class TaskCommand(APIView):
 
 
 def _command_schema(body: type[serializers.Serializer]) -> Any:
-    return extend_schema_view(post=extend_schema(request=body, responses={202: TaskSerializer, **ERRORS}))
+    return extend_schema_view(post=extend_schema(request=body, parameters=[TASK_ID],
+                                                 responses={202: TaskSerializer, **ERRORS}))
 
 
 @_command_schema(CancelSerializer)

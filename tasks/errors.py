@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from tasks.statuses import ErrorClass
 
 
@@ -91,6 +93,20 @@ class BudgetExhausted(StepError):
 
 class PermanentError(StepError):
     error_class = ErrorClass.PERMANENT
+
+
+class RemoteFailed(PermanentError):
+    """A remote tool finished with an error result: the task fails, and that result is kept."""
+
+    def __init__(self, message: str, *, result: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class RemoteCancelled(StepError):
+    """The remote server cancelled the work on its own: the task ends cancelled."""
+
+    error_class = ErrorClass.CANCELLED
 
 
 class SafePoint(LonghaulError):

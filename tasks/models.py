@@ -74,6 +74,8 @@ class Task(models.Model):
     stalled_at = models.DateTimeField(null=True, blank=True)
     current_step = models.PositiveIntegerField(default=0, help_text="Steps completed and checkpointed.")
     waiting_reason = models.CharField(max_length=64, blank=True)
+    tracking_degraded = models.BooleanField(
+        default=False, help_text="A remote task's server stopped answering polls; cleared by the next good one.")
     attempts = models.PositiveIntegerField(default=0, help_text="Claims of the current step; reset when it commits.")
     retries = models.PositiveIntegerField(default=0, help_text="Retries drawn from the task's retry budget.")
     next_run_at = models.DateTimeField(null=True, blank=True)

@@ -19,7 +19,7 @@ from django.db import transaction
 from tasks import clock, kicks, leases, operations, scheduling, transitions
 from tasks.budgets import Budget, retry_at
 from tasks.context import StepContext
-from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, get_driver
+from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, RemoteCancelling, Wait, get_driver, remote_cancelling
 from tasks.errors import (
     BudgetExhausted,
     CancelRequested,
@@ -28,9 +28,12 @@ from tasks.errors import (
     LeaseLost,
     PauseRequested,
     RateLimited,
+    RemoteCancelled,
+    RemoteFailed,
     StepError,
 )
 from tasks.drain import draining
+from tasks.events import append
 from tasks.heartbeat import heartbeat
 from tasks.alerts import raise_alert
 from tasks.models import Alert, Checkpoint, Task
@@ -58,6 +61,11 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
     token = task.fencing_token
     now = clock.now()
     if task.cancel_requested_at:
+        remote = remote_cancelling(_driver_or_none(task.kind))
+        if remote is not None:
+            checkpoint = latest_checkpoint(task)
+            if remote.remote_to_cancel(task.pk, checkpoint.state if checkpoint else None):
+                return _cancel_remotely(task, token, remote, checkpoint.state if checkpoint else {}, owner=owner)
         return _stop_at_safe_point(task, token, CancelRequested())
     if task.pause_requested_at:
         return _stop_at_safe_point(task, token, PauseRequested())
@@ -113,7 +121,7 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
         and time.monotonic() < slice_ends
         and not kicks.other_work_waiting(now=clock.now())
     )
-    return _commit(task, token, driver, outcome, ctx, keep_lease=keep)
+    return _commit(task, token, driver, outcome, ctx, keep_lease=keep, state_before=state)
 
 
 def latest_checkpoint(task: Task) -> Checkpoint | None:
@@ -121,10 +129,20 @@ def latest_checkpoint(task: Task) -> Checkpoint | None:
 
 
 def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,
-            keep_lease: bool) -> Task | None:
+            keep_lease: bool, state_before: dict | None = None) -> Task | None:
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
+        if fresh.cancel_requested_at and remote_cancelling(driver) is not None:
+            # What a step learned from a remote server after the cancel request is discarded (DESIGN §10).
+            stop_as_requested(fresh, now=now, token=token)
+            return None
+        if isinstance(outcome, Wait) and outcome.state == state_before and not ctx.events and not outcome.events:
+            # A poll that learned nothing new: no checkpoint and no step spent, only the next poll.
+            _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=False, events=[], step_done=False,
+                                         due_at=outcome.until, tracking_degraded=outcome.tracking_degraded))
+            kicks.kick("advance", task.pk, at=outcome.until)
+            return None
         Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
                                   state=outcome.state, schema_version=driver.schema_version, at=now)
         events = [*ctx.events, *outcome.events]
@@ -134,6 +152,11 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             scheduling.admit(fresh.tenant_id, now=now)
             return None
         stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
+        if isinstance(outcome, Wait) and not stop_requested:
+            _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=False, events=events,
+                                         due_at=outcome.until, tracking_degraded=outcome.tracking_degraded))
+            kicks.kick("advance", task.pk, at=outcome.until)
+            return None
         if isinstance(outcome, Ask) and not stop_requested:
             _won(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events))
             scheduling.admit(fresh.tenant_id, now=now)
@@ -154,6 +177,39 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             kicks.kick("advance", task.pk)
             return None
         return fresh
+
+
+def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: dict, *, owner: str) -> None:
+    """One round of telling a remote server to stop; the task ends cancelled once it has, or is gone."""
+    ctx = StepContext(task, token=token)
+    heartbeat.hold(task.pk, owner=owner, token=token)
+    try:
+        outcome = driver.cancel_step(state, ctx)
+    except LeaseLost:
+        raise
+    except Exception:  # the cancel must still end: try again later, within the driver's deadline
+        log.exception("task %s: remote cancel round failed", task.pk)
+        outcome = Wait(state, clock.now() + DEFER_FOR / 12)
+    finally:
+        heartbeat.drop(task.pk)
+    now = clock.now()
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        if outcome is None:
+            if ctx.events:
+                append(fresh, ctx.events, status=fresh.status, at=now)
+            _won(transitions.cancel(fresh, now=now, token=token))
+            scheduling.admit(fresh.tenant_id, now=now)
+            return None
+        events = [*ctx.events, *outcome.events]
+        changed = outcome.state != state or bool(events)
+        if changed:
+            Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
+                                      state=outcome.state, schema_version=get_driver(task.kind).schema_version, at=now)
+        _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=False, events=events, step_done=changed,
+                                     due_at=outcome.until, tracking_degraded=outcome.tracking_degraded))
+        kicks.kick("advance", task.pk, at=outcome.until)
+    return None
 
 
 def _defer(task: Task, token: int, *, reason: str) -> None:
@@ -192,6 +248,16 @@ def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) ->
     ends `partial` with what the last checkpoint can deliver. Without a token, only a
     task nobody holds can be stopped (the transition checks)."""
     if task.cancel_requested_at:
+        remote = remote_cancelling(_driver_or_none(task.kind))
+        if remote is not None:
+            checkpoint = latest_checkpoint(task)
+            if remote.remote_to_cancel(task.pk, checkpoint.state if checkpoint else None):
+                won = transitions.stop_remote(task, now=now, token=token)
+                if token is not None:
+                    _won(won)
+                if won:
+                    kicks.kick("advance", task.pk)
+                return
         partial = None
         if task.cancel_keep_results:
             checkpoint = latest_checkpoint(task)
@@ -218,11 +284,13 @@ def _driver_or_none(kind: str) -> Driver | None:
         return None
 
 
-def _end_failed(task: Task, token: int, error_class: str, message: str, detail: str = "") -> None:
+def _end_failed(task: Task, token: int, error_class: str, message: str, detail: str = "",
+                result: dict | None = None) -> None:
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        _won(transitions.fail(fresh, now=now, token=token, error_class=error_class, message=message, detail=detail))
+        _won(transitions.fail(fresh, now=now, token=token, error_class=error_class, message=message, detail=detail,
+                              result=result))
         scheduling.admit(fresh.tenant_id, now=now)
     return None
 
@@ -253,8 +321,16 @@ def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, stat
 
 def _after_error(task: Task, token: int, exc: StepError) -> None:
     budget = Budget.of(task.budget)
+    if isinstance(exc, RemoteCancelled):
+        now = clock.now()
+        with transaction.atomic():
+            fresh = leases.lock_fenced(task.pk, token)
+            _won(transitions.cancel(fresh, now=now, token=token, reason=str(exc)))
+            scheduling.admit(fresh.tenant_id, now=now)
+        return None
     if not exc.retryable:
-        return _end_failed(task, token, exc.error_class, str(exc), exc.detail)
+        return _end_failed(task, token, exc.error_class, str(exc), exc.detail,
+                           result=exc.result if isinstance(exc, RemoteFailed) else None)
     if task.retries >= budget.max_retries:
         return _end_failed(task, token, exc.error_class,
                            f"gave up after {task.retries} retries: {exc}", exc.detail)

@@ -115,21 +115,32 @@ def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> boo
 
 
 def commit_step(
-    task: Task, *, token: int, now: datetime, keep_lease: bool, events: list[NewEvent], result: Any = None
+    task: Task, *, token: int, now: datetime, keep_lease: bool, events: list[NewEvent], result: Any = None,
+    due_at: datetime | None = None, tracking_degraded: bool | None = None, step_done: bool = True,
 ) -> bool:
-    """running -> running: a step's checkpoint is committed; the next step is due now."""
+    """running -> running: a step's checkpoint is committed; the next step is due now (or at `due_at`,
+    a remote job's next poll). `step_done=False`: a poll that changed nothing, so no checkpoint was
+    written and no step is counted. `tracking_degraded` sets or clears the remote-tracking flag."""
     fields: dict[str, Any] = {
-        "current_step": task.current_step + 1,
+        "current_step": task.current_step + (1 if step_done else 0),
         "attempts": 0,
         "last_progress_at": now,
-        "next_run_at": now,
+        "next_run_at": due_at or now,
         "stalled_at": None,
     }
     if not keep_lease:
         fields.update(_released())
     if result is not None:
         fields.update(result=result, result_version=task.result_version + 1)
-    return _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+    newly_degraded = bool(tracking_degraded) and not task.tracking_degraded
+    if tracking_degraded is not None:
+        fields["tracking_degraded"] = tracking_degraded
+    won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+    if won and newly_degraded:
+        from tasks import notifications
+
+        notifications.note(task, event="tracking_degraded", now=now)
+    return won
 
 
 def wait_for_operations(
@@ -233,9 +244,15 @@ def finish_partial(
 
 
 def fail(
-    task: Task, *, now: datetime, error_class: str, message: str, detail: str = "", token: int | None = None
+    task: Task, *, now: datetime, error_class: str, message: str, detail: str = "", token: int | None = None,
+    result: Any = None,
 ) -> bool:
-    """Any active status -> failed. Without a token, only while nobody holds the lease."""
+    """Any active status -> failed. Without a token, only while nobody holds the lease.
+    `result`: what a failed remote tool returned, kept beside the error."""
+    fields = {**_finished(now), "error_class": error_class, "error_message": message[:2000],
+              "error_detail": detail[:10000], "fencing_token": task.fencing_token + 1}
+    if result is not None:
+        fields.update(result=result, result_version=task.result_version + 1)
     return _move(
         task,
         S.FAILED,
@@ -243,13 +260,12 @@ def fail(
         now=now,
         token=token,
         guard=None if token is not None else _lease_free(now),
-        fields={**_finished(now), "error_class": error_class, "error_message": message[:2000],
-                "error_detail": detail[:10000], "fencing_token": task.fencing_token + 1},
+        fields=fields,
         events=[NewEvent("failed", {"error_class": error_class, "message": message[:500]})],
     )
 
 
-def cancel(task: Task, *, now: datetime, token: int | None = None) -> bool:
+def cancel(task: Task, *, now: datetime, token: int | None = None, reason: str = "") -> bool:
     """Any active status -> cancelled. Without a token, only while nobody holds the lease;
     the fencing token moves on, so a holder whose lease expired can write nothing more."""
     return _move(
@@ -260,7 +276,24 @@ def cancel(task: Task, *, now: datetime, token: int | None = None) -> bool:
         token=token,
         guard=None if token is not None else _lease_free(now),
         fields={**_finished(now), "error_class": "cancelled", "fencing_token": task.fencing_token + 1},
-        events=[NewEvent("cancelled", {"reason": task.cancel_reason})],
+        events=[NewEvent("cancelled", {"reason": reason or task.cancel_reason})],
+    )
+
+
+def stop_remote(task: Task, *, now: datetime, token: int | None = None) -> bool:
+    """Any active status -> running, due now, to cancel the task's remote work before it ends
+    (DESIGN §10). Without a token, only while nobody holds the lease; the fencing token moves
+    on, so a poll still in flight can write nothing."""
+    return _move(
+        task,
+        S.RUNNING,
+        allowed_from=ACTIVE,
+        now=now,
+        token=token,
+        guard=None if token is not None else _lease_free(now),
+        fields={**_released(), "next_run_at": now, "waiting_reason": "cancel", "attempts": 0,
+                "fencing_token": task.fencing_token + 1},
+        events=[NewEvent("cancelling_remote", {})],
     )
 
 

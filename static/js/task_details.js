@@ -40,6 +40,14 @@ const EVENT_WORDS = {
   deferred: () => "Waiting for a free slot",
   stalled: () => "No progress for a while",
   lease_released: () => "Handed back by its worker",
+  remote_started: (d) => `Started ${d.tool} on ${d.server}`,
+  progress: (d) => d.message,
+  answer_sent: () => "Sent your answer to the remote tool",
+  tracking_degraded: () => "The remote server stopped answering; still trying",
+  tracking_restored: () => "The remote server answers again",
+  cancelling_remote: () => "Asking the remote server to stop",
+  remote_cancel_sent: () => "The remote server was asked to stop",
+  remote_cancel_unconfirmed: () => "The remote server did not confirm the stop",
 };
 
 /** The words for one event of the timeline. */
@@ -343,8 +351,20 @@ export class TaskDetails {
         }
       });
       parts.push(h("div", { class: "result-actions" }, actions), report);
-    } else if (result && result.summary) {
-      parts.push(h("h4", {}, "Result"), h("p", { class: "result-summary" }, result.summary));
+    } else if (result && (result.summary || result.text)) {
+      parts.push(h("h4", {}, result.is_error ? "What the tool reported" : "Result"),
+        h("p", { class: "result-summary" }, result.summary));
+      if (typeof result.text === "string" && result.text.length > result.summary.length) {
+        const whole = h("details", { class: "report" }, h("summary", {}, "Show the whole result"));
+        whole.addEventListener("toggle", () => {
+          if (whole.open && whole.children.length === 1) whole.append(h("pre", { class: "result-text" }, result.text));
+        });
+        parts.push(whole);
+      }
+      if (result.truncated) {
+        parts.push(h("p", { class: "note" },
+          `The result was cut: ${result.text.length.toLocaleString()} of ${result.chars.toLocaleString()} characters are kept.`));
+      }
     }
     this.resultBox.replaceChildren(...parts);
   }

@@ -39,6 +39,10 @@ const PHASE_WORDS = {
   recovered: "Resuming",
   paused: "Paused",
   cancel_requested: "Stopping",
+  remote_started: "Running on the remote server",
+  progress: "Running on the remote server",
+  answer_sent: "Running on the remote server",
+  cancelling_remote: "Stopping on the remote server",
 };
 
 const KIND_WORDS = { research: "Research", sleep: "Test task", mcp: "Remote tool" };
@@ -54,6 +58,7 @@ function phaseWords(task) {
   if (task.status === "queued") return "Waiting for a slot";
   if (task.status === "waiting_input") return "Question for you";
   if (task.status === "paused" || task.status === "partial") return "";
+  if (task.tracking_degraded) return "Remote server not answering; still trying";
   return PHASE_WORDS[task.phase] || "Working";
 }
 

@@ -8,6 +8,7 @@ class decides between a retry and a failure.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from django.conf import settings
@@ -17,6 +18,7 @@ from tasks.events import NewEvent
 
 if TYPE_CHECKING:
     from tasks.context import StepContext
+    from tasks.models import Tenant
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,18 @@ class Ask:
     events: list[NewEvent] = field(default_factory=list)
 
 
-Outcome = Continue | Finish | Ask
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do until `until` (a remote job's next poll): the task keeps its slot, holds no worker,
+    and a delayed kick brings it back. `tracking_degraded`, when not None, sets the task's flag."""
+
+    state: dict[str, Any]
+    until: datetime
+    events: list[NewEvent] = field(default_factory=list)
+    tracking_degraded: bool | None = None
+
+
+Outcome = Continue | Finish | Ask | Wait
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,7 @@ class Driver(Protocol):
     schema_version: ClassVar[int]
     debug_only: ClassVar[bool]
 
-    def validate_input(self, raw: Any) -> dict[str, Any]: ...
+    def validate_input(self, raw: Any, *, tenant: Tenant | None = None) -> dict[str, Any]: ...
 
     def initial_state(self, task_input: dict[str, Any]) -> dict[str, Any]: ...
 
@@ -74,11 +87,25 @@ class Driver(Protocol):
     def partial_result(self, state: dict[str, Any]) -> PartialResult | None: ...
 
 
+class RemoteCancelling(Protocol):
+    """A driver whose work lives on a remote server that must be told to stop (DESIGN §10).
+
+    While its task is asked to cancel, the runner runs `cancel_step` instead of `step`
+    until it returns None (the remote stopped, or is gone); a step result that arrives
+    after the request is discarded rather than committed.
+    """
+
+    def remote_to_cancel(self, task_id: int, state: dict[str, Any]) -> bool: ...
+
+    def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Wait | None: ...
+
+
 def _registry() -> dict[str, Driver]:
+    from tasks.drivers.mcp import McpDriver
     from tasks.drivers.research import ResearchDriver
     from tasks.drivers.sleep import SleepDriver
 
-    drivers: list[Driver] = [ResearchDriver(), SleepDriver()]
+    drivers: list[Driver] = [McpDriver(), ResearchDriver(), SleepDriver()]
     return {d.kind: d for d in drivers}
 
 
@@ -94,6 +121,10 @@ def get_driver(kind: str) -> Driver:
     if driver is None or (driver.debug_only and not settings.LONGHAUL_DEBUG_DRIVERS):
         raise InvalidInput(f"unknown task kind {kind!r}; known kinds: {', '.join(available_kinds())}", field="kind")
     return driver
+
+
+def remote_cancelling(driver: Driver | None) -> RemoteCancelling | None:
+    return driver if driver is not None and hasattr(driver, "cancel_step") else None  # type: ignore[return-value]
 
 
 def available_kinds() -> list[str]:

@@ -40,7 +40,7 @@ class SleepDriver:
     schema_version: ClassVar[int] = 1
     debug_only: ClassVar[bool] = True
 
-    def validate_input(self, raw: Any) -> dict[str, Any]:
+    def validate_input(self, raw: Any, *, tenant: Any = None) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise InvalidInput("input must be an object", field="input")
         known = {"steps", "step_seconds", "fail_at_step", "fail_kind", "fail_times", "side_effect", "ask_at_step",

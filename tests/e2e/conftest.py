@@ -12,6 +12,8 @@ import pytest
 from django.conf import global_settings
 
 from tests.e2e.chat_page import stop_everything_running
+from tests.fakes.mcp_task_server import McpTaskServer
+from tests.integration.test_mcp_tasks import write_config
 from tests.processes import ROOT, Process, child_env, daphne
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests
@@ -51,7 +53,21 @@ def cheap_passwords(settings) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(django_db_setup: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def mcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The test MCP server over loopback HTTP, configured as server "tools"; yields its state folder."""
+    folder = tmp_path_factory.mktemp("mcp")
+    state = folder / "state"
+    state.mkdir()
+    with McpTaskServer(transport="http", state_dir=state) as config:
+        os.environ["LONGHAUL_MCP_SERVERS"] = str(write_config(folder / "servers.json", config))
+        try:
+            yield state
+        finally:
+            os.environ.pop("LONGHAUL_MCP_SERVERS", None)
+
+
+@pytest.fixture(scope="session")
+def server(django_db_setup: None, mcp_server: Path) -> Iterator[str]:
     """Base URL of a daphne (HTTP and WebSockets) pointed at this session's test database.
 
     One for the whole session: the database is emptied between tests, and each test signs
@@ -67,7 +83,7 @@ WORKER_ENV = {"LONGHAUL_OFFLINE_LATENCY_MS": "150", "LONGHAUL_DEBUG_DRIVERS": "1
 
 
 @pytest.fixture(scope="session")
-def worker(django_db_setup: None) -> Iterator[Process]:
+def worker(django_db_setup: None, mcp_server: Path) -> Iterator[Process]:
     """A real qcluster (chat runs, task steps, notifications) for the whole session."""
     proc = Process("qcluster", [sys.executable, "manage.py", "qcluster"],
                    child_env(LONGHAUL_WORKERS="2", **WORKER_ENV), ROOT / "var" / "test-logs" / "e2e")

@@ -10,6 +10,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.core.management import call_command
 from django.core.management.base import CommandError
+from django.http import HttpRequest  # django-axes checks lockouts per request; authenticate() needs one
 from django.test import Client
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
@@ -211,7 +212,7 @@ def test_it_seeds_the_demo_workspace_once(client: Client):
     assert User.objects.filter(username="demo").count() == 1
     assert Membership.objects.filter(user__username="demo", tenant__slug="demo").count() == 1
     username, password = re.search(r"Sign in as (\S+) / (\S+)", first).groups()
-    assert client.login(username=username, password=password)
+    assert client.login(request=HttpRequest(), username=username, password=password)
 
 
 def test_it_creates_a_tenant():
@@ -237,7 +238,7 @@ def test_it_refuses_a_duplicate_tenant(acme: Tenant):
 def test_it_adds_a_user_with_a_password_given(client: Client, acme: Tenant):
     run("adduser", "erin", "--tenant", "acme", "--admin", "--password", "erin-password-1")
     assert Membership.objects.get(user__username="erin").role == Membership.Role.ADMIN
-    assert client.login(username="erin", password="erin-password-1")
+    assert client.login(request=HttpRequest(), username="erin", password="erin-password-1")
 
 
 def test_it_prints_a_generated_password_once_and_it_works(monkeypatch, client: Client, acme: Tenant):
@@ -247,7 +248,7 @@ def test_it_prints_a_generated_password_once_and_it_works(monkeypatch, client: C
     passwords = re.findall(r"Password \(shown once\): (\S+)", out)
     assert len(passwords) == 1
     assert out.count(passwords[0]) == 1
-    assert client.login(username="frank", password=passwords[0])
+    assert client.login(request=HttpRequest(), username="frank", password=passwords[0])
 
 
 def test_it_refuses_a_duplicate_user(alice: User):

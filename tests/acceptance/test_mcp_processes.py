@@ -1,0 +1,61 @@
+"""Remote MCP tasks on a real qcluster: a worker killed in the middle of a poll is replaced,
+and polling resumes from the checkpoint without submitting the tool call again."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+from django.db import connection
+
+from tasks import actions
+from tasks.models import Task, TaskEvent
+from tasks.statuses import TERMINAL, TaskStatus
+from tests.acceptance.test_worker_crash import FAST_RECOVERY
+from tests.fakes.mcp_task_server import McpTaskServer, calls
+from tests.integration.test_mcp_tasks import SERVER, write_config
+from tests.processes import qcluster, wait_until
+
+pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
+
+
+@pytest.mark.parametrize("transport", ["stdio", "http"])
+def test_a_worker_killed_mid_poll_resumes_polling_without_a_second_submission(acme, alice, log_dir, tmp_path,
+                                                                             settings, transport):
+    state = tmp_path / "state"
+    state.mkdir()
+    with McpTaskServer(transport=transport, state_dir=state) as server:
+        config = str(write_config(tmp_path / "servers.json", server))
+        settings.LONGHAUL_MCP_SERVERS = config
+        task, _ = actions.submit(tenant=acme, user=alice, submission=actions.Submission(
+            kind="mcp", name="render", input={"server": SERVER, "tool": "slow_report", "arguments": {
+                # Each poll takes a while, so a worker can be caught in the middle of one.
+                "topic": "renders", "seconds": 8, "poll_ms": 100, "get_delay_ms": 700}}))
+        env = {**FAST_RECOVERY, "LONGHAUL_MCP_SERVERS": config, "LONGHAUL_MCP_POLL_FLOOR_MS": "50"}
+        with qcluster(log_dir, workers=2, **env) as cluster:
+            def polling_worker() -> int | None:
+                connection.close()
+                row = Task.objects.filter(pk=task.pk).values("lease_owner", "current_step").first()
+                if row["current_step"] < 2 or not row["lease_owner"]:
+                    return None  # not yet past the submission, or between polls
+                pid = int(row["lease_owner"].rsplit(":", 1)[1])
+                return pid if pid in cluster.descendants() else None
+
+            caught: list[int] = []
+
+            def catch_one() -> bool:
+                pid = polling_worker()
+                if pid:
+                    caught.append(pid)
+                return bool(pid)
+
+            wait_until(catch_one, timeout=60, interval=0.05, message="a worker mid-poll")
+            os.kill(caught[0], signal.SIGKILL)
+            wait_until(lambda: Task.objects.get(pk=task.pk).status in TERMINAL, timeout=90, interval=0.3,
+                       message="the task to end")
+        task.refresh_from_db()
+        assert task.status == TaskStatus.SUCCEEDED, (task.error_class, task.error_message)
+        assert "renders" in task.result["summary"]
+        assert calls(state).get("tools/call:slow_report") == 1, "the tool was submitted once"
+        assert TaskEvent.objects.filter(task=task, kind="recovered").exists(), "the killed poll was taken over"

@@ -1,0 +1,340 @@
+"""Remote MCP tasks end to end in-process: the `mcp` driver against the test MCP server,
+a real subprocess reached over stdio or over streamable HTTP on loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+from chat.models import Message, Thread
+from tasks import actions, clock, jobs
+from tasks.mcp import client
+from tasks.models import Checkpoint, Task, TaskEvent
+from tasks.statuses import TERMINAL, TaskStatus
+from tests.fakes.mcp_task_server import McpTaskServer, calls
+from tests.integration.chatting import run_queued
+from tests.processes import ROOT
+
+# Transactional: the heartbeat thread renews leases on its own connection and must see the rows.
+pytestmark = pytest.mark.django_db(transaction=True)
+SERVER = "tools"
+
+
+@dataclass
+class Remote:
+    config: client.ServerConfig
+    state_dir: Path
+
+    def calls(self) -> dict[str, int]:
+        return calls(self.state_dir)
+
+
+def write_config(path: Path, server: client.ServerConfig, *, tenants: list[str] | None = None) -> Path:
+    entry: dict = {"transport": server.transport, "timeout_s": 20}
+    if server.transport == "http":
+        entry["url"] = server.url
+    else:
+        entry["command"] = list(server.command)
+        entry["cwd"] = server.cwd or str(ROOT)
+    if tenants is not None:
+        entry["tenants"] = tenants
+    path.write_text(json.dumps({"servers": {SERVER: entry}}))
+    return path
+
+
+def _serve(transport: str, tmp_path: Path, settings) -> Iterator[Remote]:
+    state = tmp_path / "state"
+    state.mkdir()
+    with McpTaskServer(transport=transport, state_dir=state) as server:
+        settings.LONGHAUL_MCP_SERVERS = str(write_config(tmp_path / "servers.json", server))
+        yield Remote(server, state)
+
+
+@pytest.fixture(params=["stdio", "http"])
+def remote(request, tmp_path, settings) -> Iterator[Remote]:
+    yield from _serve(request.param, tmp_path, settings)
+
+
+@pytest.fixture
+def http_remote(tmp_path, settings) -> Iterator[Remote]:
+    yield from _serve("http", tmp_path, settings)
+
+
+@pytest.fixture(autouse=True)
+def _fast(settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+    settings.LONGHAUL_MCP_POLL_FLOOR_MS = 50
+    settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS = 0.4
+
+
+def submit(tenant, user, tool: str, thread: Thread | None = None, **arguments) -> Task:
+    task, _ = actions.submit(tenant=tenant, user=user, submission=actions.Submission(
+        kind="mcp", name=f"{tool} job", thread_id=thread.pk if thread else None,
+        input={"server": SERVER, "tool": tool, "arguments": {"poll_ms": 100, **arguments}}))
+    return task
+
+
+def ended(task: Task) -> bool:
+    return task.status in TERMINAL
+
+
+def follow(task: Task, *, until: Callable[[Task], bool] = ended, timeout: float = 40) -> Task:
+    """Run the task's steps as a worker would, when each is due, until `until` holds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        task.refresh_from_db()
+        if until(task):
+            return task
+        if task.status in (TaskStatus.RUNNING, TaskStatus.RETRY_WAIT) and task.next_run_at \
+                and task.next_run_at <= clock.now():
+            jobs.advance(task.pk)
+        else:
+            time.sleep(0.02)
+    raise AssertionError(f"still {task.status} ({task.waiting_reason}) after {timeout} s")
+
+
+def kinds(task: Task) -> list[str]:
+    return list(TaskEvent.objects.filter(task=task).order_by("seq").values_list("kind", flat=True))
+
+
+def remote_id(task: Task) -> str:
+    state = Checkpoint.objects.filter(task=task).order_by("-step").first().state
+    return state["remote"]
+
+
+# --- the happy paths ---------------------------------------------------------------------
+
+
+def test_a_slow_remote_tool_runs_to_success_with_its_progress(remote, acme, alice):
+    task = follow(submit(acme, alice, "slow_report", topic="quarterly sales", seconds=3.0))
+    assert task.status == TaskStatus.SUCCEEDED, (task.error_class, task.error_message)
+    assert "quarterly sales" in task.result["summary"]
+    assert task.result["is_error"] is False and task.result["truncated"] is False
+    events = kinds(task)
+    assert events.index("remote_started") < events.index("succeeded")
+    messages = list(TaskEvent.objects.filter(task=task, kind="progress").values_list("data__message", flat=True))
+    assert len(set(messages)) >= 2, messages
+    assert remote.calls().get("tools/call:slow_report") == 1, "one submission, however many polls"
+    assert remote.calls().get("tasks/get", 0) >= 2
+
+
+def test_a_tool_that_answers_at_once_ends_the_task_with_that_result(http_remote, acme, alice):
+    task = follow(submit(acme, alice, "quick_echo", text="hello there"))
+    assert task.status == TaskStatus.SUCCEEDED
+    assert "hello there" in task.result["summary"]
+    assert "remote_started" not in kinds(task)
+    assert http_remote.calls().get("tasks/get", 0) == 0
+
+
+def test_a_large_result_is_kept_up_to_a_limit_with_a_preview_and_a_flag(http_remote, acme, alice, settings):
+    settings.LONGHAUL_MCP_RESULT_MAX_CHARS = 1_000
+    settings.LONGHAUL_MCP_RESULT_PREVIEW_CHARS = 100
+    task = follow(submit(acme, alice, "slow_report", topic="big", seconds=0.2, size=5_000))
+    assert task.status == TaskStatus.SUCCEEDED
+    result = task.result
+    assert result["truncated"] is True and result["chars"] > 5_000
+    assert len(result["text"]) == 1_000 and len(result["summary"]) == 100
+    assert result["text"].startswith(result["summary"])
+
+
+# --- input required -------------------------------------------------------------------------
+
+
+def test_input_required_is_asked_and_answered_from_the_panel(remote, acme, alice, alice_api):
+    task = follow(submit(acme, alice, "approval_job", seconds=0.3),
+                  until=lambda t: t.status == TaskStatus.WAITING_INPUT or ended(t))
+    assert task.status == TaskStatus.WAITING_INPUT
+    assert "Which format" in task.question
+    response = alice_api.post(f"/api/tasks/{task.public_id}/answer", {"answer": "markdown"}, format="json")
+    assert response.status_code == 202, response.content
+    task = follow(task)
+    assert task.status == TaskStatus.SUCCEEDED, (task.error_class, task.error_message)
+    assert "report in markdown" in task.result["summary"]
+    assert remote.calls().get("tasks/update") == 1
+    assert remote.calls().get("tools/call:approval_job") == 1
+
+
+def test_input_required_is_told_in_the_thread_and_answered_through_the_chat_agent(http_remote, acme, alice):
+    thread = Thread.objects.create(tenant=acme, owner=alice, title="reports")
+    task = follow(submit(acme, alice, "approval_job", thread=thread, seconds=0.3),
+                  until=lambda t: t.status == TaskStatus.WAITING_INPUT or ended(t))
+    run_queued()
+    told = list(Message.objects.filter(thread=thread, role="assistant").values_list("content", flat=True))
+    assert len(told) == 1 and "Which format" in told[0], told
+
+    from chat import runs
+    from chat.models import Run
+
+    runs.start_run(thread, kind=Run.Kind.CHAT, user_text="answer approval_job: pdf", hidden=False, key=None)
+    run_queued()
+    task.refresh_from_db()
+    assert task.status in (TaskStatus.QUEUED, TaskStatus.RUNNING), task.status
+    task = follow(task)
+    assert task.status == TaskStatus.SUCCEEDED
+    assert "report in pdf" in task.result["summary"]
+    run_queued()
+    done = Message.objects.filter(thread=thread, role="assistant", content__contains="is done").count()
+    assert done == 1
+
+
+# --- failures ----------------------------------------------------------------------------------
+
+
+def test_a_remote_failure_fails_the_task_with_its_message(http_remote, acme, alice):
+    task = follow(submit(acme, alice, "failing_job", seconds=0.3))
+    assert task.status == TaskStatus.FAILED
+    assert "render farm rejected the job" in task.error_message
+
+
+def test_a_tool_level_error_fails_the_task_and_keeps_the_result(http_remote, acme, alice):
+    task = follow(submit(acme, alice, "tool_error_job", seconds=0.3))
+    assert task.status == TaskStatus.FAILED
+    assert "quota exceeded" in task.error_message
+    assert task.result["is_error"] is True and "quota exceeded" in task.result["summary"]
+
+
+def test_a_remote_task_past_its_time_to_live_fails_saying_so(http_remote, acme, alice):
+    task = submit(acme, alice, "slow_report", topic="t", seconds=30, ttl_ms=300, poll_ms=1_000)
+    task = follow(task, until=lambda t: t.current_step >= 1)  # submitted; the next poll is a second away
+    time.sleep(0.5)
+    task = follow(task)
+    assert task.status == TaskStatus.FAILED
+    assert "gone" in task.error_message
+
+
+def test_a_flaky_server_marks_tracking_degraded_then_recovers(http_remote, acme, alice):
+    thread = Thread.objects.create(tenant=acme, owner=alice, title="flaky")
+    task = follow(submit(acme, alice, "flaky_job", thread=thread, seconds=2.5, failures=4),
+                  until=lambda t: t.tracking_degraded or ended(t))
+    assert task.tracking_degraded and task.status == TaskStatus.RUNNING, "flagged while the server fails"
+    run_queued()
+    told = list(Message.objects.filter(thread=thread, role="assistant").values_list("content", flat=True))
+    assert len(told) == 1 and "stopped answering" in told[0], told
+    task = follow(task)
+    assert task.status == TaskStatus.SUCCEEDED, (task.error_class, task.error_message)
+    assert task.tracking_degraded is False, "cleared by the next good poll"
+    events = kinds(task)
+    assert events.count("tracking_degraded") == 1
+    assert events.index("tracking_degraded") < events.index("tracking_restored") < events.index("succeeded")
+    degraded_at = TaskEvent.objects.get(task=task, kind="tracking_degraded")
+    assert degraded_at.data["errors"] == 3
+    run_queued()
+    told = list(Message.objects.filter(thread=thread, role="assistant").values_list("content", flat=True))
+    assert len(told) == 2 and "is done" in told[1], told
+
+
+# --- cancel -----------------------------------------------------------------------------------------
+
+
+def test_cancel_while_polling_cancels_the_remote_task(remote, acme, alice, alice_api):
+    task = follow(submit(acme, alice, "slow_report", topic="t", seconds=20),
+                  until=lambda t: t.current_step >= 2)
+    response = alice_api.post(f"/api/tasks/{task.public_id}/cancel", {}, format="json")
+    assert response.status_code == 202, response.content
+    task = follow(task)
+    assert task.status == TaskStatus.CANCELLED
+    assert remote.calls().get("tasks/cancel") == 1
+    assert client.get_task(remote.config, remote_id(task)).status == "cancelled"
+    assert "cancelling_remote" in kinds(task)
+
+
+def test_cancel_while_waiting_for_input_cancels_the_remote_task(http_remote, acme, alice):
+    task = follow(submit(acme, alice, "approval_job", seconds=0.3),
+                  until=lambda t: t.status == TaskStatus.WAITING_INPUT)
+    actions.request_cancel(task, user=alice)
+    task = follow(task)
+    assert task.status == TaskStatus.CANCELLED
+    assert client.get_task(http_remote.config, remote_id(task)).status == "cancelled"
+
+
+def test_a_server_that_ignores_cancel_still_ends_the_task_cancelled(http_remote, acme, alice, settings):
+    settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = 0.6
+    task = follow(submit(acme, alice, "stubborn_job", seconds=30), until=lambda t: t.current_step >= 1)
+    actions.request_cancel(task, user=alice)
+    task = follow(task)
+    assert task.status == TaskStatus.CANCELLED
+    assert "remote_cancel_unconfirmed" in kinds(task)
+    assert http_remote.calls().get("tasks/cancel") == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_poll_answered_after_the_cancel_request_is_discarded(http_remote, acme, alice):
+    """The poll is slow and sees the remote task completed; a cancel arrives meanwhile: cancelled wins."""
+    task = follow(submit(acme, alice, "slow_report", topic="t", seconds=0.4, get_delay_ms=1_500),
+                  until=lambda t: t.current_step >= 1)
+    time.sleep(0.5)  # the remote task completes; the next poll will say so, slowly
+    task.refresh_from_db()
+    while task.next_run_at > clock.now():
+        time.sleep(0.02)
+
+    def poll() -> None:
+        try:
+            jobs.advance(task.pk)
+        finally:
+            connection.close()
+
+    worker = threading.Thread(target=poll)
+    worker.start()
+    time.sleep(0.5)  # the poll is in flight
+    actions.request_cancel(Task.objects.get(pk=task.pk), user=alice)
+    worker.join(timeout=30)
+    task = follow(task)
+    assert task.status == TaskStatus.CANCELLED, task.status
+    assert task.result is None, "the completed result seen after the cancel request was not kept"
+    assert "succeeded" not in kinds(task)
+
+
+# --- input and isolation --------------------------------------------------------------------------
+
+
+def test_bad_input_is_a_400_naming_the_field(http_remote, alice_api):
+    cases = [
+        ({"server": "nope", "tool": "slow_report"}, "input.server"),
+        ({"server": SERVER}, "input.tool"),
+        ({"server": SERVER, "tool": "slow_report", "arguments": [1]}, "input.arguments"),
+        ({"server": SERVER, "tool": "slow_report", "extra": 1}, "input.extra"),
+        ({"server": SERVER, "tool": "slow_report", "arguments": {"x": "y" * 70_000}}, "input.arguments"),
+    ]
+    for body, field in cases:
+        response = alice_api.post("/api/tasks", {"kind": "mcp", "input": body}, format="json")
+        assert response.status_code == 400, (body, response.content)
+        assert response.json()["field"] == field, response.json()
+    assert not Task.objects.exists()
+
+
+def test_a_server_configured_for_one_tenant_is_unknown_to_another(http_remote, tmp_path, settings, alice_api,
+                                                                   charlie_api):
+    settings.LONGHAUL_MCP_SERVERS = str(write_config(tmp_path / "acme-only.json", http_remote.config,
+                                                     tenants=["acme"]))
+    body = {"kind": "mcp", "input": {"server": SERVER, "tool": "quick_echo", "arguments": {"text": "x"}}}
+    refused = charlie_api.post("/api/tasks", body, format="json")
+    assert refused.status_code == 400 and refused.json()["field"] == "input.server"
+    assert alice_api.post("/api/tasks", body, format="json").status_code == 201
+
+
+def test_the_remote_task_id_never_leaves_the_server(http_remote, acme, alice, alice_api):
+    thread = Thread.objects.create(tenant=acme, owner=alice, title="leaks")
+    task = follow(submit(acme, alice, "approval_job", thread=thread, seconds=0.2),
+                  until=lambda t: t.status == TaskStatus.WAITING_INPUT)
+    secret = remote_id(task)
+    assert len(secret) >= 8
+    alice_api.post(f"/api/tasks/{task.public_id}/answer", {"answer": "html"}, format="json")
+    task = follow(task)
+    run_queued()
+    assert task.status == TaskStatus.SUCCEEDED
+    bodies = [alice_api.get(path).content.decode() for path in (
+        "/api/tasks", f"/api/tasks/{task.public_id}", f"/api/tasks/{task.public_id}/events",
+        f"/api/tasks/{task.public_id}/result", f"/api/threads/{thread.public_id}/tasks",
+        f"/api/threads/{thread.public_id}/messages")]
+    bodies += [json.dumps(e) for e in TaskEvent.objects.filter(task=task).values_list("data", flat=True)]
+    bodies += list(Message.objects.filter(thread=thread).values_list("content", flat=True))
+    bodies.append(json.dumps(task.result))
+    for body in bodies:
+        assert secret not in body
