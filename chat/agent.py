@@ -74,12 +74,12 @@ def tell_about_task(run: Run) -> Reply:
         text = f"**{name}** failed: {task.error_message or task.error_class}."
     elif task.status == TaskStatus.CANCELLED:
         text = f"**{name}** was cancelled. Everything it recorded is kept."
-    elif task.tracking_degraded and task.status not in TERMINAL:
-        text = (f"**{name}**: the remote server has stopped answering. The task keeps trying and I'll tell you "
-                f"how it ends.")
     elif task.status == TaskStatus.WAITING_INPUT:
         text = (f"**{name}** needs your answer: {task.question}\n\n"
                 f"Reply with “answer {name}: …”, or use the answer box in the task panel.")
+    elif task.tracking_degraded and task.status not in TERMINAL:
+        text = (f"**{name}**: the remote server has stopped answering. The task keeps trying and I'll tell you "
+                f"how it ends.")
     else:
         text = f"**{name}** is now {task.status.replace('_', ' ')}."
     return Reply(text, data)
@@ -182,8 +182,10 @@ SYSTEM = ("You are Longhaul's assistant. Long jobs run as background tasks; use 
 
 
 def _history(run: Run) -> list[dict[str, str]]:
-    messages = list(Message.objects.filter(thread_id=run.thread_id, hidden=False).order_by("-id")[:HISTORY])
-    history = [{"role": m.role if m.role != "tool" else "assistant", "content": m.content} for m in reversed(messages)]
+    messages = list(Message.objects.filter(thread_id=run.thread_id, hidden=False).select_related("run")
+                    .order_by("-id")[:HISTORY])
+    history = [{"role": m.role if m.role != "tool" else "assistant", "content": _as_history(m)}
+               for m in reversed(messages)]
     tasks_view = json.dumps([tools.project(t) for t in tools.thread_tasks(run.thread)])
     servers = json.dumps(tools.remote_servers(run))
     return [{"role": "system", "content": SYSTEM},
@@ -194,12 +196,22 @@ def _history(run: Run) -> list[dict[str, str]]:
             *history]
 
 
+def _as_history(message: Message) -> str:
+    """A message as the model reads it again. What a task told the thread quotes text from outside
+    (web pages, remote tools' results and questions): data, never the assistant's own words."""
+    if message.run is not None and message.run.kind == Run.Kind.NOTIFICATION and message.role == Message.Role.ASSISTANT:
+        return frame(message.content, origin="task notification")
+    return message.content
+
+
 def _call_tool(run: Run, name: str, args: dict[str, Any], n: int) -> tools.ToolReply:
     if name == "start_background_task":
         return tools.start_background_task(run, kind="research", name=str(args.get("name", ""))[:200],
                                            input={"question": str(args.get("question", ""))}, n=n)
     if name == "start_remote_tool":
-        arguments = args.get("arguments") if isinstance(args.get("arguments"), dict) else {}
+        arguments = args.get("arguments", {})
+        if not isinstance(arguments, dict):
+            return tools.ToolReply("arguments must be a JSON object of the tool's parameters", {"error": True})
         return tools.start_remote_tool(run, server=str(args.get("server", "")), tool=str(args.get("tool", "")),
                                        arguments=arguments, name=str(args.get("name", ""))[:200], n=n)
     if name == "list_background_tasks":

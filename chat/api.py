@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 
 from django.db.models import OuterRef, QuerySet, Subquery
 from drf_spectacular.types import OpenApiTypes
@@ -25,7 +24,7 @@ from chat.serializers import (
     ThreadSerializer,
     ThreadWriteSerializer,
 )
-from project.api_errors import ApiError
+from project.api_errors import ApiError, get_by_public_id
 from tasks.api import (
     CURSOR, ERRORS, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_PARAMETER, READ_ERRORS, _int_param, request_tenant,
 )
@@ -36,7 +35,7 @@ THREAD_ID = OpenApiParameter("thread_id", OpenApiTypes.UUID, OpenApiParameter.PA
 MAX_MESSAGES_PAGE = 500
 PHASES = ("admitted", "planning", "searching", "source_read", "evidence_added", "drafting", "waiting_tool",
           "retry_scheduled", "input_required", "step_done", "recovered", "paused", "cancel_requested",
-          "remote_started", "progress", "answer_sent", "cancelling_remote")
+          "remote_started", "progress", "answer_sent", "cancelling_remote", "remote_cancel_sent")
 
 
 def owned_threads(request: Request) -> QuerySet[Thread]:
@@ -44,14 +43,7 @@ def owned_threads(request: Request) -> QuerySet[Thread]:
 
 
 def get_thread(request: Request, thread_id: str) -> Thread:
-    try:
-        public_id = uuid.UUID(thread_id)
-    except ValueError:
-        raise ApiError("no such thread", code="not_found", status_code=404) from None
-    thread = owned_threads(request).filter(public_id=public_id).first()
-    if thread is None:
-        raise ApiError("no such thread", code="not_found", status_code=404)
-    return thread
+    return get_by_public_id(owned_threads(request), thread_id, noun="thread")
 
 
 def panel_tasks(thread: Thread) -> list[Task]:

@@ -5,10 +5,12 @@ Raised from anywhere as an ApiError or a runtime error, rendered here.
 
 from __future__ import annotations
 
-from typing import Any
+import uuid
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
+from django.db.models import Model, QuerySet
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -22,6 +24,22 @@ class ApiError(exceptions.APIException):
         self.status_code = status_code
         self.error_code = code
         self.field = field
+
+
+M = TypeVar("M", bound=Model)
+
+
+def get_by_public_id(rows: QuerySet[M], raw: str, *, noun: str) -> M:
+    """The row of `rows` with this public id. A malformed id answers the same 404 as a missing
+    one, and so does a row the caller may not see: nothing to probe."""
+    try:
+        public_id = uuid.UUID(raw)
+    except ValueError:
+        raise ApiError(f"no such {noun}", code="not_found", status_code=404) from None
+    row = rows.filter(public_id=public_id).first()
+    if row is None:
+        raise ApiError(f"no such {noun}", code="not_found", status_code=404)
+    return row
 
 
 def _body(message: str, code: str, field: str | None = None) -> dict[str, Any]:

@@ -274,5 +274,9 @@ LOGGING = {
         # input and observations, which stay out of INFO logs.
         "httpx": {"level": "WARNING"},
         "httpcore": {"level": "WARNING"},
+        # The MCP SDK's HTTP stack and session log URLs and session ids at INFO.
+        "httpx2": {"level": "WARNING"},
+        "mcp": {"level": "WARNING"},
+        "axes": {"level": "WARNING"},  # a line per start and per sign-in, with nothing an operator acts on
     },
 }

@@ -17,9 +17,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from project.api_errors import ApiError
-from tasks import actions
-from tasks.models import Membership, Task, Tenant
+from project.api_errors import ApiError, get_by_public_id
+from tasks import actions, tenancy
+from tasks.models import Task, Tenant
 from tasks.serializers import (
     AnswerSerializer,
     CancelSerializer,
@@ -61,10 +61,7 @@ def request_tenant(request: Request) -> Tenant:
 def visible_tasks(request: Request) -> QuerySet[Task]:
     """Tasks this user may see: their own, or all of the tenant's for a tenant admin.
     Anything else answers 404: knowing a task id grants nothing."""
-    tenant = request_tenant(request)
-    tasks = Task.objects.filter(tenant=tenant).select_related("thread")
-    is_admin = Membership.objects.filter(user=request.user, tenant=tenant, role=Membership.Role.ADMIN).exists()
-    return tasks if is_admin else tasks.filter(owner=request.user)
+    return tenancy.visible_tasks(request.user, request_tenant(request)).select_related("thread")
 
 
 def _uuid(raw: str, *, field: str) -> uuid.UUID:
@@ -75,14 +72,7 @@ def _uuid(raw: str, *, field: str) -> uuid.UUID:
 
 
 def get_visible_task(request: Request, task_id: str) -> Task:
-    try:
-        public_id = uuid.UUID(task_id)
-    except ValueError:
-        raise ApiError("no such task", code="not_found", status_code=404) from None
-    task = visible_tasks(request).filter(public_id=public_id).first()
-    if task is None:
-        raise ApiError("no such task", code="not_found", status_code=404)
-    return task
+    return get_by_public_id(visible_tasks(request), task_id, noun="task")
 
 
 def _int_param(request: Request, name: str, default: int, *, low: int, high: int) -> int:

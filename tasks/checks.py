@@ -11,10 +11,14 @@ from django.core.exceptions import ImproperlyConfigured
 @checks.register()
 def mcp_servers_file(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """The MCP servers file parses and every variable it names is set (else the first mcp task would 500)."""
+    from django.conf import settings
+
     from tasks.mcp import config
 
+    if not settings.LONGHAUL_MCP_SERVERS:
+        return []
     try:
-        config.servers()
+        config.read(settings.LONGHAUL_MCP_SERVERS)
     except ImproperlyConfigured as exc:
         return [checks.Error(str(exc), hint="See README, 'Remote MCP tools as background tasks'.",
                              id="longhaul.E001")]

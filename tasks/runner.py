@@ -33,7 +33,7 @@ from tasks.errors import (
     StepError,
 )
 from tasks.drain import draining
-from tasks.events import append
+from tasks.events import NewEvent, append
 from tasks.heartbeat import heartbeat
 from tasks.alerts import raise_alert
 from tasks.models import Alert, Checkpoint, Task
@@ -79,7 +79,9 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
         driver = get_driver(task.kind)
     except InvalidInput as exc:
         return _end_failed(task, token, ErrorClass.PERMANENT, str(exc))
-    reason = Budget.of(task.budget).exhausted(steps_done=task.current_step, started_at=task.started_at, now=now)
+    # A remote task's steps are polls, as many as the remote job takes: its wall time bounds it, not a step count.
+    steps_done = 0 if remote_cancelling(driver) is not None else task.current_step
+    reason = Budget.of(task.budget).exhausted(steps_done=steps_done, started_at=task.started_at, now=now)
     if reason:
         return _end_for_budget(task, token, driver, reason)
 
@@ -187,9 +189,10 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
         outcome = driver.cancel_step(state, ctx)
     except LeaseLost:
         raise
-    except Exception:  # the cancel must still end: try again later, within the driver's deadline
+    except Exception:  # a bug here must not keep the task from ending: cancel it here, saying so
         log.exception("task %s: remote cancel round failed", task.pk)
-        outcome = Wait(state, clock.now() + DEFER_FOR / 12)
+        ctx.events.append(NewEvent("remote_cancel_unconfirmed", {"message": "asking the remote server to stop failed"}))
+        outcome = None
     finally:
         heartbeat.drop(task.pk)
     now = clock.now()
@@ -284,8 +287,18 @@ def _driver_or_none(kind: str) -> Driver | None:
         return None
 
 
+def _abandon_remote_work(task: Task) -> None:
+    """Before a task with work on a remote server ends other than by a cancel (its budget, an error,
+    poison): ask the server to stop, once, so the work does not outlive the task."""
+    remote = remote_cancelling(_driver_or_none(task.kind))
+    if remote is not None:
+        checkpoint = latest_checkpoint(task)
+        remote.abandon(task, checkpoint.state if checkpoint else None)
+
+
 def _end_failed(task: Task, token: int, error_class: str, message: str, detail: str = "",
                 result: dict | None = None) -> None:
+    _abandon_remote_work(task)
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
@@ -298,6 +311,7 @@ def _end_failed(task: Task, token: int, error_class: str, message: str, detail: 
 def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, state: dict | None = None) -> None:
     """End partial with what the work so far can deliver, or failed when it delivers nothing.
     `state`: what the step that ran out had learned; it is checkpointed first."""
+    _abandon_remote_work(task)
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)

@@ -41,7 +41,11 @@ class StrictIntegerField(serializers.IntegerField):
 
 
 # Text that must say something: DRF trims whitespace, so "  " is as empty as "".
-SOME_TEXT = RegexValidator(r"\S", message="must contain some text")
+# "Not only whitespace", spelled out as the characters Python's str.strip() removes: `\S` means
+# something else in the schema's (ECMAScript) regexes, so a client checking the schema and this
+# server would disagree about "\x85" or "\ufeff".
+PYTHON_WHITESPACE = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+SOME_TEXT = RegexValidator(f"[^{PYTHON_WHITESPACE}]", message="must contain some text")
 
 
 @extend_schema_field({

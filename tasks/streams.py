@@ -23,10 +23,10 @@ from channels.layers import BaseChannelLayer, InMemoryChannelLayer
 
 from project.env import envfloat
 from tasks.events import task_group, thread_group
-from tasks.models import Membership, Task, TaskEvent
+from tasks.models import Task, TaskEvent
 from tasks.serializers import EventSerializer
 from tasks.statuses import TERMINAL
-from tasks.tenancy import tenant_for
+from tasks.tenancy import tenant_for, visible_tasks
 
 Message = dict[str, Any]
 
@@ -74,13 +74,11 @@ class Stream(Protocol):
 # --- the task stream -------------------------------------------------------------
 
 def visible_task(user: Any, public_id: uuid.UUID, *, tenant_slug: str | None = None) -> Task | None:
-    """The task if this user may see it (the rules of tasks.api.visible_tasks), else None."""
+    """The task if this user may see it, else None."""
     tenant = tenant_for(user, slug=tenant_slug)
     if tenant is None:
         return None
-    tasks = Task.objects.filter(tenant=tenant, public_id=public_id)
-    is_admin = Membership.objects.filter(user=user, tenant=tenant, role=Membership.Role.ADMIN).exists()
-    return (tasks if is_admin else tasks.filter(owner=user)).first()
+    return visible_tasks(user, tenant).filter(public_id=public_id).first()
 
 
 def end_message(status: str, result_version: int) -> Message:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db.models import QuerySet
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 
-from tasks.models import Membership, Tenant
+from tasks.models import Membership, Task, Tenant
 
 TENANT_HEADER = "HTTP_X_LONGHAUL_TENANT"
 
@@ -21,6 +22,14 @@ def tenant_for(user: Any, *, slug: str | None = None) -> Tenant | None:
         memberships = memberships.filter(tenant__slug=slug)
     membership = memberships.first()
     return membership.tenant if membership else None
+
+
+def visible_tasks(user: Any, tenant: Tenant) -> QuerySet[Task]:
+    """Tasks this user may see in this tenant: their own, or all of the tenant's for a tenant
+    admin. The API and the streams answer 404 for anything else: knowing an id grants nothing."""
+    tasks = Task.objects.filter(tenant=tenant)
+    is_admin = Membership.objects.filter(user=user, tenant=tenant, role=Membership.Role.ADMIN).exists()
+    return tasks if is_admin else tasks.filter(owner=user)
 
 
 class TenantMiddleware:

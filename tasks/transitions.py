@@ -70,7 +70,7 @@ def _released() -> dict[str, Any]:
 
 
 def _finished(now: datetime) -> dict[str, Any]:
-    return {**_released(), "finished_at": now, "next_run_at": None, "waiting_reason": ""}
+    return {**_released(), "finished_at": now, "next_run_at": None, "waiting_reason": "", "tracking_degraded": False}
 
 
 # --- admission and claims --------------------------------------------------------
@@ -164,7 +164,7 @@ def wait_input(task: Task, *, token: int, now: datetime, question: str, events: 
         task, S.WAITING_INPUT, allowed_from={S.RUNNING}, now=now, token=token,
         fields={**_released(), "next_run_at": None, "question": question[:4000], "answer": "",
                 "current_step": task.current_step + 1, "last_progress_at": now, "attempts": 0,
-                "waiting_reason": "input"},
+                "waiting_reason": "input", "tracking_degraded": False},
         events=[*events, NewEvent("input_required", {"question": question[:4000]})],
     )
 

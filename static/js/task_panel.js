@@ -43,6 +43,7 @@ const PHASE_WORDS = {
   progress: "Running on the remote server",
   answer_sent: "Running on the remote server",
   cancelling_remote: "Stopping on the remote server",
+  remote_cancel_sent: "Stopping on the remote server",
 };
 
 const KIND_WORDS = { research: "Research", sleep: "Test task", mcp: "Remote tool" };

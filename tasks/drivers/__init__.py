@@ -18,7 +18,7 @@ from tasks.events import NewEvent
 
 if TYPE_CHECKING:
     from tasks.context import StepContext
-    from tasks.models import Tenant
+    from tasks.models import Task, Tenant
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,10 @@ class RemoteCancelling(Protocol):
     def remote_to_cancel(self, task_id: int, state: dict[str, Any]) -> bool: ...
 
     def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Wait | None: ...
+
+    def abandon(self, task: Task, state: dict[str, Any] | None) -> None:
+        """Best effort, once: tell the remote to stop, when the task ends for another reason (its budget)."""
+        ...
 
 
 def _registry() -> dict[str, Driver]:

@@ -22,8 +22,10 @@ or until LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS pass, so a cancel always ends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from datetime import timedelta
+import logging
+from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from django.conf import settings
@@ -34,10 +36,15 @@ from tasks.drivers import Ask, Finish, Outcome, PartialResult, Wait
 from tasks.errors import InvalidInput, PermanentError, RemoteCancelled, RemoteFailed, TransientError
 from tasks.events import NewEvent
 from tasks.mcp import client, config
-from tasks.models import Operation, Tenant
+from tasks.models import Operation, Task, Tenant
 from tasks.statuses import OperationStatus
 
+log = logging.getLogger(__name__)
 DEGRADED_AFTER = 3
+ABANDON_TIMEOUT_S = 10.0
+GONE = "the remote task is gone: the MCP server no longer knows it (its time to live may have passed)"
+MAYBE_STARTED = ("the MCP server did not answer the tool call, so it may or may not have started the tool; "
+                 "it was not called again, so that it cannot run twice")
 MAX_ARGUMENTS_BYTES = 64_000
 SUBMIT = "mcp.call_tool"
 
@@ -84,13 +91,12 @@ class McpDriver:
             return self._send_answer(state, ctx, server)
         try:
             remote = client.get_task(server, state["remote"])
-        except client.RemoteTaskNotFound:
-            raise PermanentError("the remote task is gone: the server no longer knows it (its time to live "
-                                 "may have passed)") from None
-        except client.RemoteUnavailable as exc:
+        except client.RemoteTaskNotFound as exc:
+            raise PermanentError(GONE, detail=str(exc)) from None
+        except client.McpError as exc:
+            # A poll only reads: whatever failed (network, a 401 after a token rotation, a malformed
+            # answer), back off and try again; the owner sees "tracking degraded" and may cancel.
             return self._poll_failed(state, ctx, exc)
-        except client.McpError as exc:  # the server refuses us (authorization, protocol): not worth retrying
-            raise PermanentError(str(exc)) from None
         # A poll answered after a cancel request is not acted on (DESIGN §10): stop here, unwritten.
         ctx.check_safe_point(force=True)
         return self._follow(state, ctx, remote)
@@ -101,17 +107,24 @@ class McpDriver:
         def call() -> dict[str, Any]:
             try:
                 answer = client.call_tool(server, spec["tool"], spec["arguments"])
+            except client.NotSent as exc:
+                raise TransientError("the MCP server could not be reached; trying again", detail=str(exc)) from None
             except client.RemoteUnavailable as exc:
-                raise TransientError(str(exc)) from None
+                raise PermanentError(MAYBE_STARTED, detail=str(exc)) from None
+            except client.ToolNotFound as exc:
+                raise PermanentError(f"the MCP server has no tool {spec['tool']!r}", detail=str(exc)) from None
             except client.McpError as exc:
-                raise PermanentError(str(exc)) from None
+                raise PermanentError("the MCP server refused the tool call", detail=str(exc)) from None
             if isinstance(answer, client.Completed):
                 return {"completed": _tool_result(answer.result)}
             return {"task": _remote_task(answer.task)}
 
-        # No verify: MCP has no way to ask "did you already start this?", so a worker lost in the
-        # middle of this call may submit again on replay. Once recorded, it is never repeated.
-        outcome = ctx.operation(SUBMIT, call, args=spec, kind="tool", side_effect=True)
+        def died_during_the_call() -> None:
+            # MCP cannot tell whether a call whose answer was lost started the tool: rather than risk
+            # running it twice, stop and say so.
+            raise PermanentError(MAYBE_STARTED)
+
+        outcome = ctx.operation(SUBMIT, call, args=spec, kind="tool", side_effect=True, verify=died_during_the_call)
         if "completed" in outcome:
             return self._finish(state, outcome["completed"])
         remote = outcome["task"]
@@ -131,8 +144,11 @@ class McpDriver:
             events.append(NewEvent("progress", {"message": message}))
             state = {**state, "message": message}
         status = remote["status"]
+        if status == "completed" and remote["result"] is None:
+            # A tools/call handle carries no result, even for a task that is already done.
+            return Wait(state, clock.now(), events, tracking_degraded=False)
         if status == "completed":
-            return self._finish(state, remote["result"] or _tool_result(None), events)
+            return self._finish(state, remote["result"], events)
         if status == "failed":
             raise PermanentError(f"the remote task failed: {remote['error'] or 'no reason given'}")
         if status == "cancelled":
@@ -149,17 +165,22 @@ class McpDriver:
             return Ask(state, "\n".join(r["message"] for r in state["asked"]) or "The remote tool needs your input.")
         requests = [client.InputRequest(key=r["key"], method=r["method"], message=r["message"], schema=r["schema"],
                                         raw=r["raw"]) for r in state["asked"]]
-        responses = {r.key: client.answer_for(r, ctx.answer) for r in requests}
+        try:
+            responses = {r.key: client.answer_for(r, ctx.answer) for r in requests}
+        except client.McpError as exc:
+            raise PermanentError("the remote tool asked for input Longhaul cannot give as text",
+                                 detail=str(exc)) from None
 
         def update() -> dict[str, Any]:
             try:
                 client.update_task(server, state["remote"], responses)
             except client.RemoteUnavailable as exc:
-                raise TransientError(str(exc)) from None
-            except client.RemoteTaskNotFound:
-                raise PermanentError("the remote task is gone: the server no longer knows it") from None
+                # Safe to send again: a server ignores responses to questions no longer open.
+                raise TransientError("the MCP server could not be reached; trying again", detail=str(exc)) from None
             except client.McpError as exc:
-                raise PermanentError(str(exc)) from None
+                # The spec's "invalid params" covers both a gone task and a refused answer.
+                raise PermanentError("the remote tool refused the answer, or no longer knows the task",
+                                     detail=str(exc)) from None
             return {"sent": sorted(responses)}
 
         ctx.operation("mcp.tasks_update", update, args={"remote": state["remote"], "responses": responses},
@@ -167,13 +188,15 @@ class McpDriver:
         return Wait({**state, "asked": []}, clock.now() + _poll_interval(state.get("poll_ms")), [NewEvent("answer_sent", {})])
 
     def _poll_failed(self, state: dict[str, Any], ctx: StepContext, exc: client.McpError) -> Wait:
-        errors = state["errors"] + 1
+        errors = state.get("errors", 0) + 1
         base = _poll_interval(state.get("poll_ms")).total_seconds()
         delay = min(base * 2 ** min(errors, 16), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS)
         degraded = errors >= DEGRADED_AFTER
         events = []
-        if degraded and not state["degraded"]:
-            events.append(NewEvent("tracking_degraded", {"errors": errors, "message": str(exc)[:300]}))
+        if degraded and not state.get("degraded"):
+            # Fixed words: a server's own error text may carry its task id.
+            kind = "not reachable" if isinstance(exc, client.RemoteUnavailable) else "answering with errors"
+            events.append(NewEvent("tracking_degraded", {"errors": errors, "message": f"the MCP server is {kind}"}))
         state = {**state, "errors": errors, "degraded": degraded}
         return Wait(state, clock.now() + timedelta(seconds=delay), events, tracking_degraded=degraded)
 
@@ -192,35 +215,64 @@ class McpDriver:
         return _remote_id(task_id, state) is not None
 
     def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Wait | None:
-        """One round of remote cancellation; None once the remote stopped or is gone."""
-        server = self._server(ctx)
+        """One round of remote cancellation; None once the remote stopped or is gone, or the
+        time to confirm ran out (measured from the first round, after at least one attempt)."""
         remote_id = _remote_id(ctx.task.pk, state)
         if remote_id is None:
             return None
-        requested = ctx.task.cancel_requested_at
-        if requested and clock.now() - requested > timedelta(seconds=settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS):
+        now = clock.now()
+        state = {**self.initial_state(ctx.input), **state, "remote": remote_id}
+        started = state.setdefault("cancel_started", now.isoformat())
+        out_of_time = now - datetime.fromisoformat(started) > timedelta(
+            seconds=settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS)
+        if out_of_time and state.get("cancel_tries", 0) > 0:
             ctx.emit("remote_cancel_unconfirmed",
                      message="the remote server did not confirm the cancel; it may still be running")
             return None
         try:
+            server = self._server(ctx)
+        except PermanentError:
+            ctx.emit("remote_cancel_unconfirmed", message="the MCP server is no longer configured")
+            return None
+        state["cancel_tries"] = state.get("cancel_tries", 0) + 1
+        try:
             if not state.get("cancel_sent"):
-                client.cancel_task(server, remote_id)
-                state = {**state, "cancel_sent": True}
+                try:
+                    client.cancel_task(server, remote_id)
+                except client.RemoteTaskNotFound:
+                    pass  # or a refusal: the status below tells which
+                state["cancel_sent"] = True
                 ctx.emit("remote_cancel_sent")
             remote = client.get_task(server, remote_id)
         except client.RemoteTaskNotFound:
             return None
-        except client.RemoteUnavailable as exc:
+        except client.McpError as exc:
             return self._poll_failed(state, ctx, exc)
         if remote.status in ("cancelled", "completed", "failed"):
             return None
-        return Wait({**state, "remote": remote_id, "errors": 0}, clock.now() + _poll_interval(remote.poll_interval_ms))
+        return Wait({**state, "errors": 0}, now + _poll_interval(remote.poll_interval_ms))
+
+    def abandon(self, task: Task, state: dict[str, Any] | None) -> None:
+        remote_id = _remote_id(task.pk, state)
+        if remote_id is None or (state or {}).get("cancel_sent"):
+            return
+        try:
+            server = _server_config(task)
+            # Short: the caller holds the task's lease and is about to end it.
+            client.cancel_task(dataclasses.replace(server, timeout_s=min(server.timeout_s, ABANDON_TIMEOUT_S)),
+                               remote_id)
+        except (client.McpError, PermanentError) as exc:
+            log.warning("task %s: could not ask the remote server to stop: %s", task.pk, type(exc).__name__)
 
     def _server(self, ctx: StepContext) -> client.ServerConfig:
-        server = config.servers().get(ctx.input["server"])
-        if server is None or not server.allows(ctx.task.tenant.slug):
-            raise PermanentError(f"the MCP server {ctx.input['server']!r} is no longer configured for this workspace")
-        return server.config
+        return _server_config(ctx.task)
+
+
+def _server_config(task: Task) -> client.ServerConfig:
+    server = config.servers().get(task.input["server"])
+    if server is None or not server.allows(task.tenant.slug):
+        raise PermanentError(f"the MCP server {task.input['server']!r} is no longer configured for this workspace")
+    return server.config
 
 
 def _poll_interval(server_ms: int | None) -> timedelta:

@@ -89,6 +89,11 @@ class RemoteUnavailable(McpError):
     """Transient: refused, timed out, 5xx/429, the process died, or a JSON-RPC internal error."""
 
 
+class NotSent(RemoteUnavailable):
+    """Transient, and the request provably had no effect: the connection or session failed before it
+    was sent, or the server refused it for its rate (429). Only then is a tool call safe to repeat."""
+
+
 class RemoteTaskNotFound(McpError):
     """The server does not know the task id (never created, expired, or purged)."""
 
@@ -142,6 +147,7 @@ def call_tool(server: ServerConfig, tool: str, arguments: dict[str, Any]) -> Com
     """Call `tool`; the server answers with a plain result or a task handle to poll."""
 
     async def call(client: Client) -> Completed | Created:
+        sent.append(True)
         answer = await client.session.call_tool(tool, arguments, allow_claimed=True, allow_input_required=True)
         if isinstance(answer, types.InputRequiredResult):
             raise RemoteProtocolError(f"MCP server {server.name!r}: tool {tool!r} asks for input before it starts, "
@@ -152,7 +158,13 @@ def call_tool(server: ServerConfig, tool: str, arguments: dict[str, Any]) -> Com
             return Completed(_tool_result(answer.model_dump(by_alias=True, mode="json", exclude_none=True)))
         raise RemoteProtocolError(f"MCP server {server.name!r}: unexpected {type(answer).__name__} from tools/call")
 
-    return _run(server, f"tools/call {tool}", call)
+    sent: list[bool] = []
+    try:
+        return _run(server, f"tools/call {tool}", call)
+    except RemoteUnavailable as exc:
+        if not sent and not isinstance(exc, NotSent):
+            raise NotSent(str(exc)) from exc
+        raise
 
 
 def get_task(server: ServerConfig, task_id: str) -> RemoteTask:
@@ -281,7 +293,9 @@ def _classify(server: ServerConfig, what: str, exc: BaseException, http_status: 
         return exc
     if isinstance(exc, MCPError) and exc.code == types.INTERNAL_ERROR and http_status is not None:
         # The SDK reports every HTTP error status as -32603; 401/403/400... will not get better by retrying.
-        if http_status in (408, 429) or http_status >= 500:
+        if http_status == 429:
+            return NotSent(f"{where}: HTTP 429")
+        if http_status == 408 or http_status >= 500:
             return RemoteUnavailable(f"{where}: HTTP {http_status}")
         return RemoteProtocolError(f"{where}: HTTP {http_status}")
     if isinstance(exc, MCPError):

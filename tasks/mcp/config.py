@@ -21,6 +21,7 @@ file, so the file can be committed. A mistake names the server and the field.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tomllib
 from collections.abc import Mapping
@@ -51,22 +52,43 @@ class Server:
         return not self.tenants or tenant_slug in self.tenants
 
 
+log = logging.getLogger(__name__)
 _cache: tuple[str, float, dict[str, Server]] | None = None
 
 
 def servers() -> dict[str, Server]:
-    """The configured servers by name, re-read when the file changes."""
+    """The configured servers by name, re-read when the file changes.
+
+    A file broken while running (a half-saved edit, a variable unset) keeps the last good
+    servers and logs the mistake, rather than failing every request that asks; the system
+    check (tasks/checks.py) refuses to start with a broken file.
+    """
     global _cache
     path = settings.LONGHAUL_MCP_SERVERS
     if not path:
         return {}
+    last_good = _cache[2] if _cache is not None and _cache[0] == path else {}
     try:
         mtime = Path(path).stat().st_mtime
     except OSError as exc:
-        raise ImproperlyConfigured(f"LONGHAUL_MCP_SERVERS: cannot read {path}: {exc.strerror}") from None
+        log.error("LONGHAUL_MCP_SERVERS: cannot read %s (%s); keeping the servers read before", path, exc.strerror)
+        return last_good
     if _cache is None or _cache[:2] != (path, mtime):
-        _cache = (path, mtime, load(Path(path)))
+        try:
+            fresh = read(path)
+        except ImproperlyConfigured as exc:
+            log.error("%s; keeping the servers read before", exc)
+            fresh = last_good
+        _cache = (path, mtime, fresh)  # a broken version is logged once, not on every call
     return _cache[2]
+
+
+def read(path: str) -> dict[str, Server]:
+    """The servers of the file at `path`; ImproperlyConfigured names what is wrong."""
+    try:
+        return load(Path(path))
+    except OSError as exc:
+        raise ImproperlyConfigured(f"LONGHAUL_MCP_SERVERS: cannot read {path}: {exc.strerror}") from None
 
 
 def for_tenant(tenant_slug: str) -> list[Server]:

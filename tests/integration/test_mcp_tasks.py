@@ -4,6 +4,7 @@ a real subprocess reached over stdio or over streamable HTTP on loopback."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -16,8 +17,9 @@ from django.db import connection
 from chat.models import Message, Thread
 from tasks import actions, clock, jobs
 from tasks.mcp import client
-from tasks.models import Checkpoint, Task, TaskEvent
-from tasks.statuses import TERMINAL, TaskStatus
+from tasks.context import digest
+from tasks.models import Checkpoint, Operation, Task, TaskEvent
+from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
 from tests.fakes.mcp_task_server import McpTaskServer, calls
 from tests.integration.chatting import run_queued
 from tests.processes import ROOT
@@ -184,6 +186,12 @@ def test_input_required_is_told_in_the_thread_and_answered_through_the_chat_agen
     assert done == 1
 
 
+def test_a_tool_done_before_its_handle_came_back_still_delivers_its_result(http_remote, acme, alice):
+    task = follow(submit(acme, alice, "slow_report", topic="instant", seconds=0))
+    assert task.status == TaskStatus.SUCCEEDED
+    assert "instant" in task.result["summary"], task.result
+
+
 # --- failures ----------------------------------------------------------------------------------
 
 
@@ -228,6 +236,64 @@ def test_a_flaky_server_marks_tracking_degraded_then_recovers(http_remote, acme,
     run_queued()
     told = list(Message.objects.filter(thread=thread, role="assistant").values_list("content", flat=True))
     assert len(told) == 2 and "is done" in told[1], told
+
+
+def test_running_out_of_wall_time_stops_the_remote_task_and_fails(http_remote, acme, alice):
+    task, _ = actions.submit(tenant=acme, user=alice, submission=actions.Submission(
+        kind="mcp", name="too long", budget={"max_wall_seconds": 1},
+        input={"server": SERVER, "tool": "slow_report", "arguments": {"topic": "t", "seconds": 60, "poll_ms": 100}}))
+    task = follow(task)
+    assert task.status == TaskStatus.FAILED and task.error_class == "budget_exhausted", task.error_message
+    assert client.get_task(http_remote.config, remote_id(task)).status == "cancelled", "no work left behind"
+
+
+def rewrite_config(settings, server: client.ServerConfig | None) -> None:
+    """Point the server name elsewhere (or drop it), as an operator editing the file would."""
+    path = Path(settings.LONGHAUL_MCP_SERVERS)
+    bump = path.stat().st_mtime + 1  # a new version however coarse the file system's clock
+    if server is None:
+        path.write_text(json.dumps({"servers": {}}))
+    else:
+        write_config(path, server)
+    os.utime(path, (bump, bump))
+
+
+def test_a_question_asked_during_an_outage_is_told_as_a_question(http_remote, acme, alice, settings):
+    thread = Thread.objects.create(tenant=acme, owner=alice, title="outage")
+    task = follow(submit(acme, alice, "approval_job", thread=thread, seconds=0.3),
+                  until=lambda t: t.current_step >= 1)
+    rewrite_config(settings, client.ServerConfig(name=SERVER, transport="http", url="http://127.0.0.1:9/mcp"))
+    task = follow(task, until=lambda t: t.tracking_degraded)
+    run_queued()
+    rewrite_config(settings, http_remote.config)  # back; meanwhile the remote task asked its question
+    task = follow(task, until=lambda t: t.status == TaskStatus.WAITING_INPUT)
+    assert task.tracking_degraded is False, "a good poll clears the flag, whatever it brings"
+    run_queued()
+    told = list(Message.objects.filter(thread=thread, role="assistant").order_by("id").values_list("content",
+                                                                                                   flat=True))
+    assert "stopped answering" in told[0] and "Which format" in told[-1], told
+
+
+def test_a_cancel_ends_even_when_the_server_was_removed_from_the_configuration(http_remote, acme, alice, settings):
+    task = follow(submit(acme, alice, "slow_report", topic="t", seconds=60), until=lambda t: t.current_step >= 1)
+    rewrite_config(settings, None)
+    actions.request_cancel(task, user=alice)
+    task = follow(task, timeout=10)
+    assert task.status == TaskStatus.CANCELLED
+    assert "remote_cancel_unconfirmed" in kinds(task)
+
+
+def test_a_submission_whose_worker_died_mid_call_is_not_sent_again(http_remote, acme, alice):
+    """The ledger says the call started and never finished: MCP cannot tell whether the tool
+    started, so the task fails saying so instead of calling it a second time."""
+    task = submit(acme, alice, "slow_report", topic="t", seconds=1)
+    Operation.objects.create(task=task, key=f"{task.pk}:0:0", step=0, n=0, kind="tool", name="mcp.call_tool",
+                             args_digest=digest(task.input), has_side_effects=True, fencing_token=0,
+                             status=OperationStatus.STARTED, started_at=clock.now())
+    task = follow(task)
+    assert task.status == TaskStatus.FAILED
+    assert "may or may not have started" in task.error_message
+    assert http_remote.calls().get("tools/call:slow_report", 0) == 0
 
 
 # --- cancel -----------------------------------------------------------------------------------------

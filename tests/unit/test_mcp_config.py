@@ -74,3 +74,16 @@ def test_the_system_check_reports_a_broken_file(tmp_path, settings):
     assert "cannot read" in mcp_servers_file()[0].msg
     settings.LONGHAUL_MCP_SERVERS = ""
     assert mcp_servers_file() == []
+
+
+def test_a_file_broken_while_running_keeps_the_servers_read_before(tmp_path, settings, caplog):
+    path = write(tmp_path, '[servers.a]\ntransport = "http"\nurl = "http://127.0.0.1:9/mcp"')
+    settings.LONGHAUL_MCP_SERVERS = str(path)
+    assert list(config.servers()) == ["a"]
+    path.write_text('[servers.a]\ntransport = "ftp"')
+    import os
+    os.utime(path, (path.stat().st_atime + 5, path.stat().st_mtime + 5))  # a new version, whatever the clock
+    assert list(config.servers()) == ["a"], "the last good servers"
+    assert "transport must be" in caplog.text
+    settings.LONGHAUL_MCP_SERVERS = str(tmp_path / "gone.toml")
+    assert config.servers() == {}
