@@ -191,7 +191,8 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
         raise
     except Exception:  # a bug here must not keep the task from ending: cancel it here, saying so
         log.exception("task %s: remote cancel round failed", task.pk)
-        ctx.events.append(NewEvent("remote_cancel_unconfirmed", {"message": "asking the remote server to stop failed"}))
+        ctx.events.append(NewEvent("remote_cancel_unconfirmed",
+                                   {"message": "asking the remote server to stop failed"}))
         outcome = None
     finally:
         heartbeat.drop(task.pk)

@@ -185,7 +185,8 @@ class McpDriver:
 
         ctx.operation("mcp.tasks_update", update, args={"remote": state["remote"], "responses": responses},
                       kind="tool", side_effect=True)
-        return Wait({**state, "asked": []}, clock.now() + _poll_interval(state.get("poll_ms")), [NewEvent("answer_sent", {})])
+        return Wait({**state, "asked": []}, clock.now() + _poll_interval(state.get("poll_ms")),
+                    [NewEvent("answer_sent", {})])
 
     def _poll_failed(self, state: dict[str, Any], ctx: StepContext, exc: client.McpError) -> Wait:
         errors = state.get("errors", 0) + 1
