@@ -156,7 +156,7 @@ class ConnectionCounter(threading.Thread):
 
 
 def run(*, levels: tuple[int, ...] = (1, 4, 16), seconds: float = 4.0, max_requests: int = 20_000,
-        conn_max_age: int | None = None) -> h.Report:
+        conn_max_age: int | None = 0) -> h.Report:
     h.migrate_if_needed()
     report = h.Report(
         "api", "REST API over HTTP (one daphne)",
@@ -210,8 +210,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16", help="comma-separated numbers of concurrent clients")
     parser.add_argument("--seconds", type=float, default=4.0, help="per endpoint and concurrency")
     parser.add_argument("--requests", type=int, default=20_000, help="at most this many per point")
-    parser.add_argument("--conn-max-age", type=int, default=None,
-                        help="LONGHAUL_DB_CONN_MAX_AGE for daphne (default: the project's setting)")
+    # 0, as the Procfile runs the web process: daphne's request threads would each keep a connection.
+    parser.add_argument("--conn-max-age", type=int, default=0,
+                        help="LONGHAUL_DB_CONN_MAX_AGE for daphne (default 0, as the Procfile runs it)")
     args = parser.parse_args()
     try:
         levels = tuple(int(c) for c in args.concurrency.split(","))

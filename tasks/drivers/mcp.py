@@ -114,7 +114,8 @@ class McpDriver:
             except client.ToolNotFound as exc:
                 raise PermanentError(f"the MCP server has no tool {spec['tool']!r}", detail=str(exc)) from None
             except client.McpError as exc:
-                raise PermanentError("the MCP server refused the tool call", detail=str(exc)) from None
+                # Its words help the owner fix the arguments; no remote task exists yet to leak an id of.
+                raise PermanentError(f"the MCP server refused the tool call: {exc}"[:500], detail=str(exc)) from None
             if isinstance(answer, client.Completed):
                 return {"completed": _tool_result(answer.result)}
             return {"task": _remote_task(answer.task)}
