@@ -68,8 +68,8 @@ class PanelTaskSerializer(serializers.ModelSerializer):
     class Meta:
         model = Task
         fields = ["id", "name", "kind", "status", "is_terminal", "phase", "question", "error_class", "error_message",
-                  "cancel_requested", "tracking_degraded", "result_version", "notification", "created_at", "started_at", "finished_at",
-                  "updated_at", "last_event_seq"]
+                  "cancel_requested", "tracking_degraded", "result_version", "notification", "created_at",
+                  "started_at", "finished_at", "updated_at", "last_event_seq"]
         read_only_fields = fields
 
     def get_is_terminal(self, task: Task) -> bool:

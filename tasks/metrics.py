@@ -267,8 +267,7 @@ def pool_metrics(*, now: datetime) -> Iterator[Metric]:
     """Model and tool pools: size, calls in flight, calls waiting for a slot, call latency."""
     live = Q(status=OperationStatus.STARTED, args__isnull=False)  # operation_inflight_idx
     # Only calls of tasks still waiting for them get claimed (or taken over); count the same.
-    waiting_task = Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
-                                                               task__waiting_reason__in=("model", "tool"))
+    waiting_task = operations.waiting_task()
     in_flight = _count_by(Operation.objects.filter(live, lease_expires_at__gte=now), "kind")
     orphaned = _count_by(Operation.objects.filter(live, waiting_task, lease_expires_at__lt=now), "kind")
     pending = _count_by(Operation.objects.filter(waiting_task, status=OperationStatus.PENDING,

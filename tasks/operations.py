@@ -131,7 +131,7 @@ def end_gateway_turn() -> None:
         cursor.execute("SELECT pg_advisory_unlock(%s)", [GATEWAY_TURN_KEY])
 
 
-def _waiting_task() -> Q:
+def waiting_task() -> Q:
     """Operations whose task still waits for them (a cancelled or paused task's calls are not run)."""
     return Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
                                                         task__waiting_reason__in=("model", "tool"))
@@ -150,7 +150,7 @@ def _in_flight(kind: str, now: datetime) -> int:
 def claimable_exists(now: datetime) -> bool:
     """Due operations that a gateway job could claim now: its pool has a free slot."""
     for kind in KINDS:
-        due = Operation.objects.filter(_due(now), _waiting_task(), kind=kind, args__isnull=False)
+        due = Operation.objects.filter(_due(now), waiting_task(), kind=kind, args__isnull=False)
         if due.exists() and _in_flight(kind, now) < pool_size(kind):
             return True
     return False
@@ -192,7 +192,7 @@ def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
                 continue
             rows = list(
                 Operation.objects.select_for_update(skip_locked=True, of=("self",))
-                .filter(_due(now), _waiting_task(), kind=kind, args__isnull=False)
+                .filter(_due(now), waiting_task(), kind=kind, args__isnull=False)
                 .order_by("id")[:free]
             )
             for op in rows:
@@ -322,4 +322,4 @@ def run_due(*, run_for: float | None = None) -> int | None:
 
 def due_exists(now: datetime) -> bool:
     """For the sweeper: operations nobody is running (pending, or their job died)."""
-    return Operation.objects.filter(_due(now), _waiting_task(), args__isnull=False).exists()
+    return Operation.objects.filter(_due(now), waiting_task(), args__isnull=False).exists()

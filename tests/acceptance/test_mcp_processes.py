@@ -13,8 +13,7 @@ from tasks import actions
 from tasks.models import Task, TaskEvent
 from tasks.statuses import TERMINAL, TaskStatus
 from tests.acceptance.test_worker_crash import FAST_RECOVERY
-from tests.fakes.mcp_task_server import McpTaskServer, calls
-from tests.integration.test_mcp_tasks import SERVER, write_config
+from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, calls, write_servers_file
 from tests.processes import qcluster, wait_until
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
@@ -26,10 +25,10 @@ def test_a_worker_killed_mid_poll_resumes_polling_without_a_second_submission(ac
     state = tmp_path / "state"
     state.mkdir()
     with McpTaskServer(transport=transport, state_dir=state) as server:
-        config = str(write_config(tmp_path / "servers.json", server))
+        config = str(write_servers_file(tmp_path / "servers.json", server))
         settings.LONGHAUL_MCP_SERVERS = config
         task, _ = actions.submit(tenant=acme, user=alice, submission=actions.Submission(
-            kind="mcp", name="render", input={"server": SERVER, "tool": "slow_report", "arguments": {
+            kind="mcp", name="render", input={"server": SERVER_NAME, "tool": "slow_report", "arguments": {
                 # Each poll takes a while, so a worker can be caught in the middle of one.
                 "topic": "renders", "seconds": 8, "poll_ms": 100, "get_delay_ms": 700}}))
         env = {**FAST_RECOVERY, "LONGHAUL_MCP_SERVERS": config, "LONGHAUL_MCP_POLL_FLOOR_MS": "50"}

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import queue
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,17 +12,13 @@ from typing import Any
 
 import pytest
 import redis
-from autobahn.twisted.websocket import WebSocketClientFactory, WebSocketClientProtocol, connectWS
-from django.conf import settings
 from django.db import transaction
-from django.test import Client
-from twisted.internet import reactor
-from twisted.internet.threads import blockingCallFromThread
 
 from tasks import clock, events
 from tasks.events import NewEvent
 from tasks.models import Task
 from tasks.statuses import TaskStatus
+from tests.drill.stream import StreamClient, session_cookie
 from tests.factories import make_task, submit_sleep
 from tests.processes import daphne, qcluster
 
@@ -33,63 +26,6 @@ pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
 REDIS_URL = "redis://127.0.0.1:6379/0"
 WAIT = 30  # seconds for the whole task to stream; never slept
 IDLE_SPELL = 8  # seconds: longer than channels_redis's 5 s blocking read
-
-
-def running_reactor() -> None:
-    """Run Twisted's reactor (daphne installed it at django.setup()) in a thread, once per process."""
-    if reactor.running:
-        return
-    started = threading.Event()
-    reactor.callWhenRunning(started.set)
-    threading.Thread(target=reactor.run, kwargs={"installSignalHandlers": False}, daemon=True).start()
-    assert started.wait(WAIT), "the Twisted reactor did not start"
-
-
-class _Protocol(WebSocketClientProtocol):
-    def onOpen(self) -> None:
-        self.factory.client.protocol = self
-
-    def onMessage(self, payload: bytes, is_binary: bool) -> None:
-        self.factory.client.frames.put(json.loads(payload))
-
-    def onClose(self, was_clean: bool, code: int | None, reason: str | None) -> None:
-        self.factory.client.frames.put({"closed": code})
-
-
-class StreamClient:
-    """A blocking WebSocket client that queues frames. It is autobahn's, which daphne brings
-    along (the `websockets` package is not installed); its asyncio flavour cannot be used in
-    a process where Django has loaded daphne, which selects Twisted for autobahn."""
-
-    def __init__(self, url: str, *, cookie: str, origin: str) -> None:
-        running_reactor()
-        self.frames: queue.Queue[dict[str, Any]] = queue.Queue()
-        self.protocol: _Protocol | None = None
-        factory = WebSocketClientFactory(url, origin=origin, headers={"Cookie": cookie})
-        factory.protocol = _Protocol
-        factory.client = self
-        blockingCallFromThread(reactor, connectWS, factory)
-
-    def next(self, timeout: float) -> dict[str, Any]:
-        frame = self.next_or_none(timeout)
-        assert frame is not None, f"no frame within {timeout:.1f}s"
-        return frame
-
-    def next_or_none(self, timeout: float) -> dict[str, Any] | None:
-        try:
-            return self.frames.get(timeout=max(timeout, 0))
-        except queue.Empty:
-            return None
-
-    def close(self) -> None:
-        if self.protocol is not None:
-            reactor.callFromThread(self.protocol.sendClose, 1000)
-
-
-def session_cookie(user) -> str:
-    client = Client()
-    client.force_login(user)
-    return f"{settings.SESSION_COOKIE_NAME}={client.cookies[settings.SESSION_COOKIE_NAME].value}"
 
 
 @contextmanager
@@ -123,7 +59,7 @@ def stream_while_a_worker_runs(base: str, task: Task, cookie: str, log_dir: Path
                 client = StreamClient(ws_url(base, task, after=last), cookie=cookie, origin=base)
                 continue
             received.append(frame)
-    client.close()
+    client.drop(abort=False)
     return received
 
 
@@ -147,7 +83,7 @@ def test_it_streams_a_task_run_by_another_process_through_redis(acme, alice, log
     task = submit_sleep(acme, alice, steps=5, step_seconds=0.3)
     # The safety-net poll is longer than the test may take: only Redis wake-ups can deliver in time.
     with daphne(log_dir, REDIS_URL=REDIS_URL, LONGHAUL_STREAM_SAFETY_POLL_S="60") as base:
-        received = stream_while_a_worker_runs(base, task, session_cookie(alice), log_dir, REDIS_URL=REDIS_URL)
+        received = stream_while_a_worker_runs(base, task, session_cookie(alice)[0], log_dir, REDIS_URL=REDIS_URL)
     assert_streamed_exactly_once_in_order(received, task)
 
 
@@ -155,7 +91,7 @@ def test_it_streams_a_task_run_by_another_process_by_polling_on_the_embedded_def
     task = submit_sleep(acme, alice, steps=5, step_seconds=0.3)
     # No Redis anywhere: the worker's wake-ups stay in its own memory, so the poll carries it.
     with daphne(log_dir, REDIS_URL="", LONGHAUL_STREAM_POLL_S="0.2") as base:
-        received = stream_while_a_worker_runs(base, task, session_cookie(alice), log_dir, REDIS_URL="")
+        received = stream_while_a_worker_runs(base, task, session_cookie(alice)[0], log_dir, REDIS_URL="")
     assert_streamed_exactly_once_in_order(received, task)
 
 
@@ -165,11 +101,11 @@ def test_a_stream_through_redis_outlives_an_idle_spell(acme, alice, log_dir, red
     # Waiting is the point here. The poll, not a wake-up, then proves the consumer still lives.
     task = make_task(acme, alice, status=TaskStatus.RUNNING)
     with daphne(log_dir, REDIS_URL=REDIS_URL, LONGHAUL_STREAM_SAFETY_POLL_S="1") as base:
-        client = StreamClient(ws_url(base, task), cookie=session_cookie(alice), origin=base)
+        client = StreamClient(ws_url(base, task), cookie=session_cookie(alice)[0], origin=base)
         said = client.next_or_none(IDLE_SPELL)
         assert said is None, (f"an idle stream said {said}: with redis-py 8 the channel layer needs a socket "
                               f"timeout above channels_redis's 5 s blocking read (CHANNEL_LAYERS in settings)")
         with transaction.atomic():
             events.append(task, [NewEvent("step_done")], status=task.status, at=clock.now())
         assert client.next(WAIT)["seq"] == 1
-        client.close()
+        client.drop(abort=False)

@@ -68,6 +68,11 @@ class StreamClient:
         factory.client = self
         blockingCallFromThread(reactor, connectWS, factory, timeout=CONNECT_TIMEOUT)
 
+    def next(self, timeout: float) -> dict[str, Any]:
+        frame = self.next_or_none(timeout)
+        assert frame is not None, f"no frame within {timeout:.1f}s"
+        return frame
+
     def next_or_none(self, timeout: float) -> dict[str, Any] | None:
         try:
             return self.frames.get(timeout=max(timeout, 0.0))

@@ -12,8 +12,7 @@ import pytest
 from django.conf import global_settings
 
 from tests.e2e.chat_page import stop_everything_running
-from tests.fakes.mcp_task_server import McpTaskServer
-from tests.integration.test_mcp_tasks import write_config
+from tests.fakes.mcp_task_server import McpTaskServer, write_servers_file
 from tests.processes import ROOT, Process, child_env, daphne
 
 # Playwright's sync API runs an event loop in this thread; the ORM calls the tests
@@ -59,7 +58,7 @@ def mcp_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     state = folder / "state"
     state.mkdir()
     with McpTaskServer(transport="http", state_dir=state) as config:
-        os.environ["LONGHAUL_MCP_SERVERS"] = str(write_config(folder / "servers.json", config))
+        os.environ["LONGHAUL_MCP_SERVERS"] = str(write_servers_file(folder / "servers.json", config))
         try:
             yield state
         finally:

@@ -447,5 +447,23 @@ class McpTaskServer:
             self._process = None
 
 
+# The name the tests give the fake in Longhaul's servers file (LONGHAUL_MCP_SERVERS).
+SERVER_NAME = "tools"
+
+
+def write_servers_file(path: Path, server: ServerConfig, *, tenants: list[str] | None = None) -> Path:
+    """A servers file naming `server` (as McpTaskServer yields it) SERVER_NAME, for Longhaul to read."""
+    entry: dict[str, Any] = {"transport": server.transport, "timeout_s": 20}
+    if server.transport == "http":
+        entry["url"] = server.url
+    else:
+        entry["command"] = list(server.command)
+        entry["cwd"] = server.cwd or str(ROOT)
+    if tenants is not None:
+        entry["tenants"] = tenants
+    path.write_text(json.dumps({"servers": {SERVER_NAME: entry}}))
+    return path
+
+
 if __name__ == "__main__":
     main()

@@ -20,13 +20,11 @@ from tasks.mcp import client
 from tasks.context import digest
 from tasks.models import Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
-from tests.fakes.mcp_task_server import McpTaskServer, calls
+from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, calls, write_servers_file
 from tests.integration.chatting import run_queued
-from tests.processes import ROOT
 
 # Transactional: the heartbeat thread renews leases on its own connection and must see the rows.
 pytestmark = pytest.mark.django_db(transaction=True)
-SERVER = "tools"
 
 
 @dataclass
@@ -38,24 +36,11 @@ class Remote:
         return calls(self.state_dir)
 
 
-def write_config(path: Path, server: client.ServerConfig, *, tenants: list[str] | None = None) -> Path:
-    entry: dict = {"transport": server.transport, "timeout_s": 20}
-    if server.transport == "http":
-        entry["url"] = server.url
-    else:
-        entry["command"] = list(server.command)
-        entry["cwd"] = server.cwd or str(ROOT)
-    if tenants is not None:
-        entry["tenants"] = tenants
-    path.write_text(json.dumps({"servers": {SERVER: entry}}))
-    return path
-
-
 def _serve(transport: str, tmp_path: Path, settings) -> Iterator[Remote]:
     state = tmp_path / "state"
     state.mkdir()
     with McpTaskServer(transport=transport, state_dir=state) as server:
-        settings.LONGHAUL_MCP_SERVERS = str(write_config(tmp_path / "servers.json", server))
+        settings.LONGHAUL_MCP_SERVERS = str(write_servers_file(tmp_path / "servers.json", server))
         yield Remote(server, state)
 
 
@@ -79,7 +64,7 @@ def _fast(settings):
 def submit(tenant, user, tool: str, thread: Thread | None = None, **arguments) -> Task:
     task, _ = actions.submit(tenant=tenant, user=user, submission=actions.Submission(
         kind="mcp", name=f"{tool} job", thread_id=thread.pk if thread else None,
-        input={"server": SERVER, "tool": tool, "arguments": {"poll_ms": 100, **arguments}}))
+        input={"server": SERVER_NAME, "tool": tool, "arguments": {"poll_ms": 100, **arguments}}))
     return task
 
 
@@ -241,20 +226,21 @@ def test_a_flaky_server_marks_tracking_degraded_then_recovers(http_remote, acme,
 def test_running_out_of_wall_time_stops_the_remote_task_and_fails(http_remote, acme, alice):
     task, _ = actions.submit(tenant=acme, user=alice, submission=actions.Submission(
         kind="mcp", name="too long", budget={"max_wall_seconds": 1},
-        input={"server": SERVER, "tool": "slow_report", "arguments": {"topic": "t", "seconds": 60, "poll_ms": 100}}))
+        input={"server": SERVER_NAME, "tool": "slow_report",
+               "arguments": {"topic": "t", "seconds": 60, "poll_ms": 100}}))
     task = follow(task)
     assert task.status == TaskStatus.FAILED and task.error_class == "budget_exhausted", task.error_message
     assert client.get_task(http_remote.config, remote_id(task)).status == "cancelled", "no work left behind"
 
 
-def rewrite_config(settings, server: client.ServerConfig | None) -> None:
+def rewrite_servers_file(settings, server: client.ServerConfig | None) -> None:
     """Point the server name elsewhere (or drop it), as an operator editing the file would."""
     path = Path(settings.LONGHAUL_MCP_SERVERS)
     bump = path.stat().st_mtime + 1  # a new version however coarse the file system's clock
     if server is None:
         path.write_text(json.dumps({"servers": {}}))
     else:
-        write_config(path, server)
+        write_servers_file(path, server)
     os.utime(path, (bump, bump))
 
 
@@ -262,10 +248,11 @@ def test_a_question_asked_during_an_outage_is_told_as_a_question(http_remote, ac
     thread = Thread.objects.create(tenant=acme, owner=alice, title="outage")
     task = follow(submit(acme, alice, "approval_job", thread=thread, seconds=0.3),
                   until=lambda t: t.current_step >= 1)
-    rewrite_config(settings, client.ServerConfig(name=SERVER, transport="http", url="http://127.0.0.1:9/mcp"))
+    closed_port = client.ServerConfig(name=SERVER_NAME, transport="http", url="http://127.0.0.1:9/mcp")
+    rewrite_servers_file(settings, closed_port)
     task = follow(task, until=lambda t: t.tracking_degraded)
     run_queued()
-    rewrite_config(settings, http_remote.config)  # back; meanwhile the remote task asked its question
+    rewrite_servers_file(settings, http_remote.config)  # back; meanwhile the remote task asked its question
     task = follow(task, until=lambda t: t.status == TaskStatus.WAITING_INPUT)
     assert task.tracking_degraded is False, "a good poll clears the flag, whatever it brings"
     run_queued()
@@ -276,7 +263,7 @@ def test_a_question_asked_during_an_outage_is_told_as_a_question(http_remote, ac
 
 def test_a_cancel_ends_even_when_the_server_was_removed_from_the_configuration(http_remote, acme, alice, settings):
     task = follow(submit(acme, alice, "slow_report", topic="t", seconds=60), until=lambda t: t.current_step >= 1)
-    rewrite_config(settings, None)
+    rewrite_servers_file(settings, None)
     actions.request_cancel(task, user=alice)
     task = follow(task, timeout=10)
     assert task.status == TaskStatus.CANCELLED
@@ -363,10 +350,10 @@ def test_a_poll_answered_after_the_cancel_request_is_discarded(http_remote, acme
 def test_bad_input_is_a_400_naming_the_field(http_remote, alice_api):
     cases = [
         ({"server": "nope", "tool": "slow_report"}, "input.server"),
-        ({"server": SERVER}, "input.tool"),
-        ({"server": SERVER, "tool": "slow_report", "arguments": [1]}, "input.arguments"),
-        ({"server": SERVER, "tool": "slow_report", "extra": 1}, "input.extra"),
-        ({"server": SERVER, "tool": "slow_report", "arguments": {"x": "y" * 70_000}}, "input.arguments"),
+        ({"server": SERVER_NAME}, "input.tool"),
+        ({"server": SERVER_NAME, "tool": "slow_report", "arguments": [1]}, "input.arguments"),
+        ({"server": SERVER_NAME, "tool": "slow_report", "extra": 1}, "input.extra"),
+        ({"server": SERVER_NAME, "tool": "slow_report", "arguments": {"x": "y" * 70_000}}, "input.arguments"),
     ]
     for body, field in cases:
         response = alice_api.post("/api/tasks", {"kind": "mcp", "input": body}, format="json")
@@ -377,9 +364,9 @@ def test_bad_input_is_a_400_naming_the_field(http_remote, alice_api):
 
 def test_a_server_configured_for_one_tenant_is_unknown_to_another(http_remote, tmp_path, settings, alice_api,
                                                                    charlie_api):
-    settings.LONGHAUL_MCP_SERVERS = str(write_config(tmp_path / "acme-only.json", http_remote.config,
+    settings.LONGHAUL_MCP_SERVERS = str(write_servers_file(tmp_path / "acme-only.json", http_remote.config,
                                                      tenants=["acme"]))
-    body = {"kind": "mcp", "input": {"server": SERVER, "tool": "quick_echo", "arguments": {"text": "x"}}}
+    body = {"kind": "mcp", "input": {"server": SERVER_NAME, "tool": "quick_echo", "arguments": {"text": "x"}}}
     refused = charlie_api.post("/api/tasks", body, format="json")
     assert refused.status_code == 400 and refused.json()["field"] == "input.server"
     assert alice_api.post("/api/tasks", body, format="json").status_code == 201
