@@ -93,6 +93,7 @@ export class TaskPanel {
     this.stale = false;
     this.failures = 0;
     this.loaded = false;
+    this.listedThread = null; // the thread whose task list was drawn at least once
     this.everLoaded = false;
 
     panel.querySelector("#panel-retry").addEventListener("click", () => this.refresh({ force: true }));
@@ -169,7 +170,9 @@ export class TaskPanel {
       this.everLoaded = true;
       this.panel.removeAttribute("data-unknown");
       this.errorBox.hidden = true;
-      this.render(data.results);
+      // The first list of a thread is what already happened; later ones may bring news.
+      this.render(data.results, { first: this.listedThread !== threadId });
+      this.listedThread = threadId;
       this.setActiveCount(data.active);
     } catch (error) {
       this.failures += 1;
@@ -207,7 +210,7 @@ export class TaskPanel {
 
   // --- rows ---------------------------------------------------------------------------
 
-  render(tasks) {
+  render(tasks, { first = false } = {}) {
     const seen = new Set();
     const placed = { active: null, recent: null }; // the last row placed in each list
     for (const task of tasks) {
@@ -229,8 +232,12 @@ export class TaskPanel {
       placed[which] = row;
       if (before && before.status !== task.status) {
         this.announce(`${task.name}: ${STATUS_WORDS[task.status] || task.status}`);
-        if (NEWSWORTHY.has(task.status)) this.callbacks.onTaskNews(task.id);
       }
+      // News the assistant will post about: a status change, or a task new since the last list
+      // (a quick one can reach waiting_input before the panel ever saw it running, and its
+      // events then arrive already listed).
+      const news = before ? before.status !== task.status : !first;
+      if (news && NEWSWORTHY.has(task.status)) this.callbacks.onTaskNews(task.id);
     }
     for (const [id, row] of this.rows) {
       if (!seen.has(id)) {
