@@ -112,7 +112,7 @@ def flood(heavy: h.Scope, count: int) -> None:
                       data={"kind": "sleep"}, at=at)
             for task in tasks
         )
-        scheduling.admit(heavy.tenant.pk, now=at)
+        scheduling.admit(now=at)
 
 
 def trickle(light: h.Scope, count: int, timeout: float) -> None:

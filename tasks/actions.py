@@ -18,7 +18,7 @@ from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drivers import get_driver
 from tasks.errors import Conflict, InvalidInput, QuotaExceeded
-from tasks.events import NewEvent, append
+from tasks.events import NewEvent
 from tasks.models import AuditEntry, IdempotencyRecord, Task, Tenant
 from tasks.statuses import TERMINAL, TaskStatus
 
@@ -68,13 +68,12 @@ def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, 
                 queue_deadline_at=now + timedelta(seconds=budget.queue_deadline_seconds),
                 code_version=settings.LONGHAUL_CODE_VERSION, schema_version=driver.schema_version,
             )
-            append(task, [NewEvent("queued", {"kind": task.kind})], status=task.status, at=now)
             if key:
                 IdempotencyRecord.objects.create(
                     tenant=tenant, user=user, key=key, kind=submission.kind, request_digest=request_digest,
                     task=task, created_at=now, expires_at=now + timedelta(seconds=settings.LONGHAUL_IDEMPOTENCY_TTL),
                 )
-            scheduling.admit(tenant.pk, now=now)
+            transitions.enqueue_new(task, now=now, events=[NewEvent("queued", {"kind": task.kind})])
     except QuotaExceeded as exc:
         # Recorded after the rollback, in a transaction of its own, so that the refusal leaves a trace.
         scheduling.record_rejection(tenant, user_id=_user_id(user), reason=str(exc), now=clock.now())
@@ -154,7 +153,6 @@ def resume(task: Task, *, user: Any, budget: Any = None) -> Task:
             new_budget = Budget.parse({**fresh.budget, **_require_dict(budget, "budget")}).as_dict()
         transitions.requeue(fresh, now=now, budget=new_budget, reason="resumed")
         _audit(fresh, user, "task.resume", now, {"budget": new_budget} if new_budget else {})
-        scheduling.admit(fresh.tenant_id, now=now)
     fresh.refresh_from_db()
     return fresh
 
@@ -172,7 +170,6 @@ def answer(task: Task, *, user: Any, text: str) -> Task:
             raise Conflict(f"the task is {fresh.status}, not waiting for an answer", code="not_waiting")
         transitions.answer(fresh, now=now, text=text.strip())
         _audit(fresh, user, "task.answer", now, {})
-        scheduling.admit(fresh.tenant_id, now=now)
     fresh.refresh_from_db()
     return fresh
 

@@ -37,7 +37,6 @@ def requeue_failed(task: Task, *, user: Any) -> Task:
         if not transitions.requeue_failed(fresh, now=now, queue_deadline_at=deadline):
             raise Conflict("the task changed while it was being requeued", code="changed")
         _audit(fresh.tenant_id, user, "task.requeue", "task", str(fresh.public_id), now, previous)
-        scheduling.admit(fresh.tenant_id, now=now)
     fresh.refresh_from_db()
     return fresh
 
@@ -93,7 +92,7 @@ def set_quotas(tenant: Tenant, *, user: Any, quotas: dict[str, int]) -> None:
         Tenant.objects.filter(pk=tenant.pk).update(**quotas)
         _audit(tenant.pk, user, "tenant.quotas", "tenant", tenant.slug, now,
                {name: [before[name], value] for name, value in quotas.items() if before[name] != value})
-        scheduling.admit(tenant.pk, now=now)
+        scheduling.admit(now=now)  # not a transition: a raised max_running frees slots by itself
 
 
 def _audit(tenant_id: int | None, user: Any, action: str, target_type: str, target_id: str, now: datetime,

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db import transaction
 
-from tasks import clock, kicks, leases, operations, scheduling, transitions
+from tasks import clock, kicks, leases, operations, transitions
 from tasks.budgets import Budget, retry_at
 from tasks.context import StepContext
 from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, RemoteCancelling, Wait, get_driver, remote_cancelling
@@ -85,9 +85,9 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
     if reason:
         return _end_for_budget(task, token, driver, reason)
 
-    if task.current_step > 0 and operations.unfinished(task.pk, task.current_step - 1):
-        # Resumed (after a pause, say) while calls of the last step were still out: wait for them.
-        return _wait_again(task, token)
+    if task.current_step > 0 and operations.unfinished(task.pk, task.current_step - 1) and _wait_again(task, token):
+        # Resumed (after a pause, say) while calls of the last step were still out: it waits for them.
+        return None
 
     checkpoint = latest_checkpoint(task)
     if checkpoint is not None and checkpoint.schema_version > driver.schema_version:
@@ -151,7 +151,6 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
         if isinstance(outcome, Finish):
             # A late cancel loses to a finished result: the work is done and recorded.
             _won(transitions.succeed(fresh, token=token, now=now, result=outcome.result, events=events))
-            scheduling.admit(fresh.tenant_id, now=now)
             return None
         stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
         if isinstance(outcome, Wait) and not stop_requested:
@@ -161,7 +160,6 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             return None
         if isinstance(outcome, Ask) and not stop_requested:
             _won(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events))
-            scheduling.admit(fresh.tenant_id, now=now)
             return None
         if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
             operations.request(fresh, token=token, requests=outcome.requests, now=now)
@@ -203,7 +201,6 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
             if ctx.events:
                 append(fresh, ctx.events, status=fresh.status, at=now)
             _won(transitions.cancel(fresh, now=now, token=token))
-            scheduling.admit(fresh.tenant_id, now=now)
             return None
         events = [*ctx.events, *outcome.events]
         changed = outcome.state != state or bool(events)
@@ -224,14 +221,21 @@ def _defer(task: Task, token: int, *, reason: str) -> None:
     return None
 
 
-def _wait_again(task: Task, token: int) -> None:
+def _wait_again(task: Task, token: int) -> bool:
+    """Wait for the last step's calls again; False when they all finished meanwhile.
+
+    Checked again under the row lock: a call that finished after the first look found the task
+    claimed (not waiting), so it did not make the task due, and a wait now would be forever.
+    """
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
+        if not operations.unfinished(task.pk, task.current_step - 1):
+            return False
         tool = operations.waits_on_tool(task.pk, task.current_step - 1)
         _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=[], step_done=False))
         kicks.kick("operations", task.pk)
-    return None
+    return True
 
 
 def _won(won: bool) -> None:
@@ -277,8 +281,6 @@ def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) ->
         won = transitions.pause(task, now=now, token=token)
     if token is not None:
         _won(won)
-    if won:
-        scheduling.admit(task.tenant_id, now=now)
 
 
 def _driver_or_none(kind: str) -> Driver | None:
@@ -299,24 +301,24 @@ def _abandon_remote_work(task: Task) -> None:
 
 def _end_failed(task: Task, token: int, error_class: str, message: str, detail: str = "",
                 result: dict | None = None) -> None:
-    _abandon_remote_work(task)
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
         _won(transitions.fail(fresh, now=now, token=token, error_class=error_class, message=message, detail=detail,
                               result=result))
-        scheduling.admit(fresh.tenant_id, now=now)
+    # Only after the fenced end committed: a worker fenced out must not stop its successor's remote work.
+    _abandon_remote_work(task)
     return None
 
 
 def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, state: dict | None = None) -> None:
     """End partial with what the work so far can deliver, or failed when it delivers nothing.
-    `state`: what the step that ran out had learned; it is checkpointed first."""
-    _abandon_remote_work(task)
+    `state`: what the step that ran out had learned; it is checkpointed first, as a counted step."""
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        if state is not None:
+        checkpointed = state is not None
+        if checkpointed:
             Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token, state=state,
                                       schema_version=driver.schema_version, at=now)
         else:
@@ -326,11 +328,11 @@ def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, stat
         if partial is not None:
             _won(transitions.finish_partial(fresh, now=now, token=token, result=partial.result,
                                             scope=f"{partial.scope}; stopped by budget ({reason})",
-                                            reason="budget_exhausted"))
+                                            reason="budget_exhausted", step_done=checkpointed))
         else:
             _won(transitions.fail(fresh, now=now, token=token, error_class=ErrorClass.BUDGET_EXHAUSTED,
-                                  message=f"stopped before any result: {reason}"))
-        scheduling.admit(fresh.tenant_id, now=now)
+                                  message=f"stopped before any result: {reason}", step_done=checkpointed))
+    _abandon_remote_work(task)  # after the fenced end, as in _end_failed
     return None
 
 
@@ -341,7 +343,6 @@ def _after_error(task: Task, token: int, exc: StepError) -> None:
         with transaction.atomic():
             fresh = leases.lock_fenced(task.pk, token)
             _won(transitions.cancel(fresh, now=now, token=token, reason=str(exc)))
-            scheduling.admit(fresh.tenant_id, now=now)
         return None
     if not exc.retryable:
         return _end_failed(task, token, exc.error_class, str(exc), exc.detail,

@@ -3,10 +3,11 @@
 Quotas: a tenant holds at most `max_running` slots and keeps at most `max_queued`
 tasks waiting; the system caps both too (LONGHAUL_MAX_RUNNING, LONGHAUL_MAX_QUEUED).
 
-Admission is event driven: whoever frees a slot (a task ends, pauses, waits for
-input) or queues a task calls `admit` in the same transaction, which fills every
-free slot in the system and kicks the tasks it admitted. The sweeper calls it too,
-only as a safety net.
+Admission is event driven: every transition that frees a slot (a task ends, pauses,
+waits for input) or queues a task calls `admit` in the same transaction (in
+tasks/transitions.py, one place), which fills every free slot in the system and kicks
+the tasks it admitted. The sweeper's liveness check admits too, with an alert, only
+if that ever failed.
 
 The next task is chosen in this order (DESIGN §5):
 
@@ -123,12 +124,12 @@ class TenantQueue:
         return (self.weight == 0, Fraction(self.running, self.weight or 1))
 
 
-def admit(tenant_id: int | None = None, *, now: datetime) -> list[int]:
+def admit(*, now: datetime) -> list[int]:
     """Fill free running slots system-wide, fairly; kick each admitted task. Returns their ids.
 
-    `tenant_id` (the tenant whose task freed a slot or was queued) is only a hint and
-    is not used: any tenant may get the slot. Call inside the transaction that freed
-    the slot or queued the task.
+    Called by tasks/transitions.py inside the transaction of every transition that frees
+    a slot or queues a task (any tenant may get the slot), by a quota change, and by the
+    sweeper's liveness check.
     """
     assert connection.in_atomic_block, "admission commits with the change that freed the slot"
     _serialize_admission()

@@ -19,7 +19,7 @@ from tasks import kicks, notifications, operations, transitions
 from tasks.events import NewEvent, append
 from tasks.alerts import raise_alert
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
-from tasks.scheduling import admit, admit_waiting_tenants
+from tasks.scheduling import admit_waiting_tenants
 from tasks.statuses import CLAIMABLE, ErrorClass, TaskStatus
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,6 @@ def fail_queue_timeouts(now: datetime) -> int:
             if transitions.fail(task, now=now, error_class=ErrorClass.QUEUE_TIMEOUT,
                                 message="waited in the queue past its deadline without getting a slot"):
                 count += 1
-                admit(task.tenant_id, now=now)
     return count
 
 

@@ -18,7 +18,7 @@ from django.db.models import Q
 from tasks.errors import InvalidTransition
 from tasks.events import NewEvent, append
 from tasks.models import Task
-from tasks.statuses import ACTIVE, CLAIMABLE, TERMINAL, TaskStatus
+from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, TaskStatus
 
 TOLD = frozenset({TaskStatus.WAITING_INPUT, TaskStatus.PARTIAL, TaskStatus.SUCCEEDED, TaskStatus.FAILED,
                   TaskStatus.CANCELLED})
@@ -55,6 +55,7 @@ def _move(
     values.update(status=to, version=task.version + 1, updated_at=now)
     if rows.update(**values) != 1:
         return False
+    was = task.status
     for name, value in values.items():
         setattr(task, name, value)
     append(task, events, status=to, at=now)
@@ -62,7 +63,25 @@ def _move(
         from tasks import notifications  # imported here: notifications builds on leases, which builds on us
 
         notifications.note(task, event=to, now=now)
+    _admit_after(was, to, now=now)
     return True
+
+
+def _admit_after(was: str, to: str, *, now: datetime) -> None:
+    """Admission is a consequence of the transitions that free a running slot or need one
+    (DESIGN §4), decided here and nowhere else: the caller's transaction admits whoever is next."""
+    frees_slot = was in HOLDS_SLOT and to not in HOLDS_SLOT
+    if frees_slot or to == S.QUEUED:
+        from tasks import scheduling  # imported here: scheduling admits through transitions.admit
+
+        scheduling.admit(now=now)
+
+
+def enqueue_new(task: Task, *, now: datetime, events: list[NewEvent]) -> None:
+    """A task just created as queued: its first event, and admission if a slot is free."""
+    assert connection.in_atomic_block, "a new task and its admission commit together"
+    append(task, events, status=task.status, at=now)
+    _admit_after("", task.status, now=now)
 
 
 def _released() -> dict[str, Any]:
@@ -227,9 +246,11 @@ def succeed(task: Task, *, token: int, now: datetime, result: Any, events: list[
 
 
 def finish_partial(
-    task: Task, *, now: datetime, result: Any, scope: str, reason: str, token: int | None = None
+    task: Task, *, now: datetime, result: Any, scope: str, reason: str, token: int | None = None,
+    step_done: bool = False,
 ) -> bool:
-    """Stop with a deliverable result of stated scope (budget, or cancel keeping results)."""
+    """Stop with a deliverable result of stated scope (budget, or cancel keeping results).
+    `step_done`: the caller checkpointed the step that ran out, so it counts (a resume goes on after it)."""
     return _move(
         task,
         S.PARTIAL,
@@ -238,19 +259,20 @@ def finish_partial(
         token=token,
         guard=None if token is not None else _lease_free(now),
         fields={**_finished(now), "result": result, "result_version": task.result_version + 1,
-                "fencing_token": task.fencing_token + 1},
+                "fencing_token": task.fencing_token + 1, "current_step": task.current_step + int(step_done)},
         events=[NewEvent("partial", {"scope": scope, "reason": reason, "result_version": task.result_version + 1})],
     )
 
 
 def fail(
     task: Task, *, now: datetime, error_class: str, message: str, detail: str = "", token: int | None = None,
-    result: Any = None,
+    result: Any = None, step_done: bool = False,
 ) -> bool:
     """Any active status -> failed. Without a token, only while nobody holds the lease.
-    `result`: what a failed remote tool returned, kept beside the error."""
+    `result`: what a failed remote tool returned, kept beside the error. `step_done`: as for finish_partial."""
     fields = {**_finished(now), "error_class": error_class, "error_message": message[:2000],
-              "error_detail": detail[:10000], "fencing_token": task.fencing_token + 1}
+              "error_detail": detail[:10000], "fencing_token": task.fencing_token + 1,
+              "current_step": task.current_step + int(step_done)}
     if result is not None:
         fields.update(result=result, result_version=task.result_version + 1)
     return _move(

@@ -163,7 +163,7 @@ def test_concurrent_admissions_never_exceed_the_tenant_quota(acme, alice):
 
     def admit() -> list[int]:
         with transaction.atomic():
-            return scheduling.admit(acme.pk, now=clock.now())
+            return scheduling.admit(now=clock.now())
 
     results = in_parallel(admit, admit, admit)
     assert sum(len(r) for r in results) == 1, results

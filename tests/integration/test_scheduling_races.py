@@ -118,7 +118,7 @@ def end_one_and_admit() -> list[int]:
         task = Task.objects.select_for_update(skip_locked=True).filter(status=S.RUNNING).order_by("?").first()
         if task is not None:
             transitions.cancel(task, now=now)
-        return scheduling.admit(task.tenant_id if task else None, now=now)
+        return scheduling.admit(now=now)
 
 
 def test_slots_freed_and_refilled_concurrently_stay_within_every_cap(acme, alice, globex, charlie, settings):

@@ -53,6 +53,7 @@ CASES = [(name, status) for name in ALLOWED for status in S]
 
 @pytest.mark.parametrize(("name", "status"), CASES)
 def test_it_allows_exactly_the_designed_moves(name, status, acme, alice):
+    _no_free_slots(acme)  # so that a move into queued is not followed by an admission
     task = make_task(acme, alice, status=status)
     if status in ALLOWED[name]:
         assert _call(name, task) is True
@@ -113,4 +114,31 @@ def test_each_status_change_appends_one_event_with_the_next_seq(acme, alice):
     _call("pause", task)
     _call("requeue", task)
     events = list(TaskEvent.objects.filter(task=task).values_list("seq", "kind", "status"))
-    assert events == [(1, "admitted", "running"), (2, "paused", "paused"), (3, "queued", "queued")]
+    assert events == [(1, "admitted", "running"), (2, "paused", "paused"), (3, "queued", "queued"),
+                      (4, "admitted", "running")], "a move into queued admits when a slot is free"
+
+
+def _no_free_slots(tenant) -> None:
+    tenant.max_running = 0
+    tenant.save()
+
+
+def test_a_transition_that_frees_a_slot_admits_the_next_task_in_its_transaction(acme, alice):
+    acme.max_running = 1
+    acme.save()
+    running = make_task(acme, alice, status=S.RUNNING)
+    waiting = make_task(acme, alice, status=S.QUEUED)
+    assert _call("succeed", running) is True
+    waiting.refresh_from_db()
+    assert waiting.status == S.RUNNING, "the freed slot went to the queued task"
+    assert list(waiting.events.values_list("kind", flat=True)) == ["admitted"]
+
+
+def test_a_transition_that_keeps_its_slot_admits_nobody(acme, alice):
+    acme.max_running = 1
+    acme.save()
+    running = make_task(acme, alice, status=S.RUNNING)
+    waiting = make_task(acme, alice, status=S.QUEUED)
+    assert _call("schedule_retry", running) is True
+    waiting.refresh_from_db()
+    assert waiting.status == S.QUEUED, "retry_wait still holds the slot"
