@@ -5,7 +5,7 @@ answers after 2 s, through a qcluster of 2 worker processes, beside a bare async
         .venv/bin/python bench/inflight.py --tasks 200 --delay 2 --workers 2
 
 The fake (tests/fakes/openai_server.py, run in this process) answers by purpose (`research_reply`),
-told apart by the system prompt tasks/gateway/models.py sends: plan -> {"subquestions": [...]}, extract ->
+told apart by the system prompt tasks/gateway/providers/openai.py sends: plan -> {"subquestions": [...]}, extract ->
 quotes copied from the sources in the request (so they pass the verbatim check), draft ->
 {"markdown": ...}. search and visit use the bundled offline corpus. The fake counts requests in
 flight (its own counter), and a sampler here maps each in-flight request's client port to the

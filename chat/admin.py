@@ -5,7 +5,8 @@ from __future__ import annotations
 from django.contrib import admin
 
 from chat.models import Message, Run, Thread
-from tasks.admin import OperatorTenantFilter, ReadOnlyAdmin, short_json
+from tasks.admin.display import short_json
+from tasks.admin.scoping import OperatorTenantFilter, ReadOnlyAdmin
 
 
 @admin.register(Thread)

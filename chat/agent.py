@@ -44,7 +44,7 @@ def respond(run: Run) -> Reply:
     """The assistant's reply for this run."""
     if run.kind == Run.Kind.NOTIFICATION:
         return tell_about_task(run)
-    from tasks.gateway.models import model_settings
+    from tasks.gateway.providers import model_settings
 
     if model_settings().provider == "openai":
         from chat.runs import lease_seconds
@@ -227,7 +227,7 @@ async def _respond_with_model(run: Run) -> Reply:
     import httpx
     from asgiref.sync import sync_to_async
 
-    from tasks.gateway.models import ModelCall, get_provider
+    from tasks.gateway.providers import ModelCall, get_provider
     from tasks.gateway.retry import RetryBudget
 
     messages = await sync_to_async(_history)(run)

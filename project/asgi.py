@@ -12,7 +12,8 @@ from django.urls import path  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
-from tasks.consumers import TaskStreamConsumer, ThreadStreamConsumer  # noqa: E402  (needs the apps loaded)
+from chat.consumers import ThreadStreamConsumer  # noqa: E402  (these need the apps loaded)
+from tasks.consumers import TaskStreamConsumer  # noqa: E402
 
 websocket_urlpatterns = [
     path("ws/tasks/<uuid:task_id>/", TaskStreamConsumer.as_asgi()),

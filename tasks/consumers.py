@@ -1,4 +1,4 @@
-"""WebSocket consumers: ws/tasks/<id>/?after=N and ws/threads/<id>/?after=N.
+"""WebSocket consumers: ws/tasks/<id>/?after=N, and the base that chat's ws/threads/<id>/ builds on.
 
 Thin: parse the cursor, authorize by session, open the stream, and hand it to a
 Follower (tasks/streams.py) that sends every item after the cursor and follows live.
@@ -22,13 +22,11 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.core.serializers.json import DjangoJSONEncoder
 
 from tasks.streams import (
-    BATCH_SIZE, MAX_BATCHES_BEHIND, CloseCode, Follower, Message, Stream, TaskStream, ThreadStream, poll_interval,
-    shared_reader,
+    BATCH_SIZE, MAX_BATCHES_BEHIND, CloseCode, Follower, Message, Stream, TaskStream, poll_interval, shared_reader,
 )
 
 log = logging.getLogger(__name__)
 MAX_CURSOR = 2**62
-WAKEUP_TYPES = frozenset({"task.wakeup", "thread.wakeup"})
 
 
 def parse_cursor(params: dict[str, list[str]]) -> int | None:
@@ -44,6 +42,8 @@ class StreamConsumer(AsyncWebsocketConsumer):
     """Streams one subject's items after the client's cursor; subclasses say which subject."""
 
     subject_kwarg: str = ""
+    # Channel-layer messages that only hint at new items (tasks.events.wake_group sends task.wakeup).
+    wakeup_types: frozenset[str] = frozenset({"task.wakeup"})
     batch_size: int = BATCH_SIZE
     max_batches_behind: int = MAX_BATCHES_BEHIND
 
@@ -104,7 +104,7 @@ class StreamConsumer(AsyncWebsocketConsumer):
         # Channels runs close_old_connections in the database thread before every handler;
         # a wake-up touches no database (the follower's reads clean up for themselves), and
         # that hop per subscriber per commit is what would crowd out the reads themselves.
-        if message["type"] in WAKEUP_TYPES:
+        if message["type"] in self.wakeup_types:
             self.stream_wakeup(message)
         else:
             await super().dispatch(message)
@@ -134,11 +134,3 @@ class TaskStreamConsumer(StreamConsumer):
     def open_stream(self, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None) -> Stream | None:
         return TaskStream.open(user, public_id, tenant_slug=tenant_slug)
 
-
-class ThreadStreamConsumer(StreamConsumer):
-    """ws/threads/<uuid>/?after=N: status changes of the thread's tasks (see streams.ThreadStream)."""
-
-    subject_kwarg = "thread_id"
-
-    def open_stream(self, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None) -> Stream | None:
-        return ThreadStream.open(user, public_id, tenant_slug=tenant_slug)

@@ -4,6 +4,9 @@ Wake-ups leave the committing thread at once: a per-process daemon thread owns o
 event loop (and so one set of channel-layer connections) and sends them, coalesced
 per group. `async_to_sync(group_send)` per commit cost 7.6 to 20 ms with Redis, most of
 it a fresh event loop and a fresh connection each time.
+
+Streams outside tasks that show a task's events (chat's thread stream) register at start,
+through `also_wake`, the group each task's commits should wake besides the task's own.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import atexit
 import logging
 import os
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -24,6 +28,9 @@ from django.db import connection, transaction
 from tasks.models import Task, TaskEvent
 
 log = logging.getLogger(__name__)
+
+# Each names one more group to wake with a task's events, or None; registered at app start.
+_also_woken: list[Callable[[Task], str | None]] = []
 
 
 @dataclass(frozen=True)
@@ -54,24 +61,30 @@ def append(task: Task, events: list[NewEvent], *, status: str, at: datetime) -> 
     )
     task.last_event_seq = last
     public_id = task.public_id
-    thread_public_id = task.thread.public_id if task.thread_id else None
-    transaction.on_commit(lambda: wake_subscribers(public_id, last, thread_public_id=thread_public_id))
+    also = [group for group_of in _also_woken if (group := group_of(task)) is not None]
+    transaction.on_commit(lambda: wake_subscribers(public_id, last, also=also))
     return last
+
+
+def also_wake(group_of: Callable[[Task], str | None]) -> None:
+    """Wake the group `group_of(task)` names, too, after each commit of a task's events (called at app start).
+
+    How chat's thread stream hears of its tasks without tasks importing chat (DESIGN §3).
+    `group_of` runs inside the appending transaction.
+    """
+    if group_of not in _also_woken:
+        _also_woken.append(group_of)
 
 
 def task_group(public_id: object) -> str:
     return f"task-{public_id}"
 
 
-def thread_group(public_id: object) -> str:
-    return f"thread-{public_id}"
-
-
-def wake_subscribers(public_id: object, seq: int, *, thread_public_id: object | None = None) -> None:
+def wake_subscribers(public_id: object, seq: int, *, also: Sequence[str] = ()) -> None:
     """A hint to stream consumers that events up to `seq` exist; they read them from the database."""
     wake_group(task_group(public_id), seq=seq)
-    if thread_public_id is not None:
-        wake_group(thread_group(thread_public_id))  # the thread stream reads fresh; seq means nothing there
+    for group in also:
+        wake_group(group)  # those streams read fresh; a task's seq means nothing there
 
 
 def wake_group(group: str, *, seq: int = 0) -> None:

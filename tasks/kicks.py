@@ -11,18 +11,26 @@ from __future__ import annotations
 from datetime import datetime
 from functools import lru_cache
 
+from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django_q.brokers import get_broker
 from django_q.humanhash import uuid as q_uuid
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
+# Job name -> the function a worker runs, by dotted path. Apps built on tasks add theirs
+# with register_job at start (chat: "run").
 JOBS = {
     "advance": "tasks.jobs.advance",
     "operations": "tasks.jobs.run_operations",
     "deliver": "tasks.jobs.deliver",
-    "run": "chat.jobs.run_agent",
 }
+
+
+def register_job(name: str, dotted_path: str) -> None:
+    """Let kick(name, ...) run the function at `dotted_path`; called from an AppConfig.ready()."""
+    if JOBS.setdefault(name, dotted_path) != dotted_path:
+        raise ImproperlyConfigured(f"job {name!r} already runs {JOBS[name]}, not {dotted_path}")
 
 
 @lru_cache(maxsize=1)

@@ -239,7 +239,7 @@ def record(op_id: int, *, owner: str, result: Any = None, error: StepError | Non
 
 async def _execute(op: Operation, *, client: Any, budget: Any) -> tuple[Any, dict[str, Any]]:
     if op.kind == "model":
-        from tasks.gateway.models import ModelCall, get_provider
+        from tasks.gateway.providers import ModelCall, get_provider
 
         answer = await get_provider().run(ModelCall(op.name, op.args), client=client, budget=budget)
         return answer.output, {**answer.usage, "model": answer.model}

@@ -1,9 +1,9 @@
 """Event streams: what a stream reads after a cursor, and the follower that sends it on.
 
-A stream is a subject (a task, a chat thread) whose items have an ascending cursor
-`seq`. The database is the only source of items; the channel layer carries wake-ups
-and nothing else, so a lost wake-up delays an item and never drops or reorders one.
-The consumers in tasks/consumers.py authorize, open a stream and run a Follower.
+A stream is a subject (a task here; a chat thread in chat/streams.py) whose items have an
+ascending cursor `seq`. The database is the only source of items; the channel layer carries
+wake-ups and nothing else, so a lost wake-up delays an item and never drops or reorders one.
+The consumers (tasks/consumers.py, chat/consumers.py) authorize, open a stream and run a Follower.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
-from django.apps import apps
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from channels.layers import BaseChannelLayer, InMemoryChannelLayer
 
 from project.env import envfloat
-from tasks.events import task_group, thread_group
+from tasks.events import task_group
 from tasks.models import Task, TaskEvent
 from tasks.serializers import EventSerializer
 from tasks.statuses import TERMINAL
@@ -131,63 +130,6 @@ class TaskStream:
     def announced_seq(self, wakeup: Message) -> int | None:
         seq = wakeup.get("seq")  # tasks.events.wake_subscribers: the last seq of the commit
         return seq if isinstance(seq, int) else None
-
-
-# --- the thread stream -----------------------------------------------------------
-
-# The events tasks/transitions.py appends with a change of status (plus the stop requests,
-# which a task panel shows at once). Progress events stay on the task streams.
-STATUS_CHANGE_KINDS = frozenset({
-    "queued", "admitted", "recovered", "retrying", "retry_scheduled", "paused", "partial",
-    "succeeded", "failed", "cancelled", "cancel_requested", "pause_requested",
-})
-
-
-@dataclass(frozen=True)
-class ThreadStream:
-    """A chat thread's items: for now, the status changes of its tasks, by TaskEvent.id.
-
-    TaskEvent.id is allocated at insert, not at commit: on PostgreSQL two tasks committing
-    at once can become visible out of id order, and a reader that has passed the higher id
-    never sees the lower one. A thread stream can therefore (rarely) miss a status change,
-    which a task stream never does; the chat issue replaces this cursor with a gapless
-    per-thread seq when it adds messages.
-    """
-
-    thread_pk: int
-    public_id: uuid.UUID
-
-    @classmethod
-    def open(cls, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None = None) -> ThreadStream | None:
-        """The stream of a live thread this user owns in the tenant they act for, or None."""
-        tenant = tenant_for(user, slug=tenant_slug)
-        if tenant is None:
-            return None
-        # By name, as tasks.api does: tasks never imports chat (DESIGN §3).
-        thread_model = apps.get_model("chat", "Thread")
-        row = thread_model.objects.filter(public_id=public_id, tenant=tenant, owner=user, deleted=False).first()
-        return None if row is None else cls(row.pk, row.public_id)
-
-    @property
-    def group(self) -> str:
-        return thread_group(self.public_id)
-
-    def initial_end(self, cursor: int) -> Message | None:
-        return None  # a thread does not end
-
-    def read_after(self, cursor: int, limit: int) -> Batch:
-        rows = list(
-            TaskEvent.objects.filter(task__thread_id=self.thread_pk, id__gt=cursor, kind__in=STATUS_CHANGE_KINDS)
-            .order_by("id")
-            .values("id", "seq", "kind", "status", "at", "data", "task__public_id")[:limit]
-        )
-        items = []
-        for row, event in zip(rows, EventSerializer(rows, many=True).data):
-            items.append({**event, "seq": row["id"], "task": str(row["task__public_id"]), "task_seq": row["seq"]})
-        return Batch(items)
-
-    def announced_seq(self, wakeup: Message) -> int | None:
-        return None  # a thread wake-up names no TaskEvent.id
 
 
 # --- following a stream ----------------------------------------------------------

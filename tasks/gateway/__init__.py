@@ -1,4 +1,4 @@
-"""Gateways to the outside world: model providers (models.py) and tools (tools.py).
+"""Gateways to the outside world: model providers (providers/) and tools (tools.py).
 
 Settings they read, each from project settings when defined there, else from the
 environment (a bad value raises ImproperlyConfigured naming the variable):

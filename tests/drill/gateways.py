@@ -23,7 +23,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from chat.agent import RESEARCH
-from tasks.gateway.models import plan_subquestions
+from tasks.gateway.providers.offline import plan_subquestions
 from tests.fakes import LoopbackServer, QuietHandler
 from tests.fakes.openai_server import Behaviour, FakeOpenAI, Reply, Status
 

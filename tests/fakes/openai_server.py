@@ -67,7 +67,7 @@ Behaviour = Reply | Status | RawBody
 
 # --- answers for research tasks ---------------------------------------------------------
 
-# The system prompts tasks/gateway/models.py sends, by the words they start with.
+# The system prompts tasks/gateway/providers/openai.py sends, by the words they start with.
 PURPOSES = {"You plan research": "plan", "You extract evidence": "extract", "You write a research report": "draft"}
 SOURCE = re.compile(r'source_id: (?P<id>[^\n]+)\n<untrusted origin="[^"]*">\n(?P<text>.*?)\n</untrusted>', re.DOTALL)
 PLAIN = re.compile(r"[A-Za-z0-9 ,;:'()\-.]+")

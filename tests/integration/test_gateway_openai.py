@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from tasks.errors import PermanentError, RateLimited, StepTimeout, TransientError
-from tasks.gateway.models import ModelCall, ModelSettings, OpenAIProvider, get_provider
+from tasks.gateway.providers import ModelCall, ModelSettings, get_provider
+from tasks.gateway.providers.openai import OpenAIProvider
 from tasks.gateway.retry import RetryBudget
 from tasks.gateway.untrusted import CLOSE
 from tests.fakes import RecordingSleep

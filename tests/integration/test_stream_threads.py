@@ -9,9 +9,10 @@ from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
 
 from chat.models import Thread
+from chat.streams import thread_group
 from tasks.models import TaskEvent
 from tasks.statuses import TaskStatus
-from tasks.streams import CloseCode, thread_group
+from tasks.streams import CloseCode
 from tests.factories import make_task
 from tests.integration.test_stream import (  # noqa: F401  (fixtures)
     _close_consumer_connections, _stream_settings, alice_cookie, append_events, connected, frame, session_cookie,

@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from tasks.errors import PermanentError
-from tasks.gateway.models import ModelCall, OfflineProvider, plan_subquestions
+from tasks.gateway.providers import ModelCall
+from tasks.gateway.providers.offline import OfflineProvider, plan_subquestions
 from tasks.gateway.retry import RetryBudget
 from tests.fakes import RecordingSleep
 

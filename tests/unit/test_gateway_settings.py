@@ -9,7 +9,9 @@ from django.core.exceptions import ImproperlyConfigured
 
 from tasks.gateway.corpus import corpus_path
 from tasks.gateway.fetch import visit_settings
-from tasks.gateway.models import OfflineProvider, OpenAIProvider, get_provider, model_settings
+from tasks.gateway.providers import get_provider, model_settings
+from tasks.gateway.providers.offline import OfflineProvider
+from tasks.gateway.providers.openai import OpenAIProvider
 from tasks.gateway.tools import search_url
 
 pytestmark = pytest.mark.smoke
