@@ -333,8 +333,6 @@ def purge_tenant(tenant_id: int, user_ids: list[int]) -> None:
     statements = [
         (f"DELETE FROM {_t(Message)} WHERE thread_id IN (SELECT id FROM {_t(Thread)} WHERE tenant_id = %s)",
          [tenant_id]),
-        (f"UPDATE {_t(Task)} SET notification_run_id = NULL WHERE tenant_id = %s AND notification_run_id IS NOT NULL",
-         [tenant_id]),
         (f"DELETE FROM {_t(Run)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(TaskEvent)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(Checkpoint)} WHERE task_id IN {mine}", [tenant_id]),

@@ -28,3 +28,13 @@ def deliver(delivery: Delivery) -> int:
     except Conflict:
         raise ThreadBusy() from None
     return run.pk
+
+
+def run_state(key: str) -> str:
+    """What became of the notification run started with `key`: active, succeeded, failed or missing."""
+    status = Run.objects.filter(idempotency_key=key).values_list("status", flat=True).first()
+    if status is None:
+        return "missing"
+    if status in (Run.Status.PENDING, Run.Status.RUNNING):
+        return "active"
+    return "succeeded" if status == Run.Status.SUCCEEDED else "failed"

@@ -64,17 +64,51 @@ def lease_seconds() -> float:
 
 
 def claim(run_id: int, *, owner: str, now: datetime) -> Run | None:
-    """pending (or running with an expired lease) -> running, leased to this worker."""
+    """pending (or running with an expired lease) -> running, leased to this worker.
+
+    A run whose workers died LONGHAUL_MAX_ATTEMPTS times is not tried again: it ends
+    interrupted, freeing its thread (see `interrupt`), instead of holding it forever.
+    """
     lease = now + timedelta(seconds=lease_seconds())
     due = Q(status=Run.Status.PENDING) | Q(status=Run.Status.RUNNING, lease_expires_at__lt=now)
     with transaction.atomic():
         run = Run.objects.select_for_update(skip_locked=True).filter(due, pk=run_id).first()
         if run is None:
             return None
-        Run.objects.filter(pk=run.pk).update(status=Run.Status.RUNNING, lease_owner=owner, lease_expires_at=lease,
-                                             attempts=run.attempts + 1, started_at=run.started_at or now)
+        if run.attempts >= settings.LONGHAUL_MAX_ATTEMPTS:
+            _interrupt(run, now=now, why=f"gave up after {run.attempts} attempts whose workers never finished")
+            return None
+        Run.objects.filter(pk=run.pk, status=run.status, attempts=run.attempts).update(
+            status=Run.Status.RUNNING, lease_owner=owner, lease_expires_at=lease, attempts=run.attempts + 1,
+            started_at=run.started_at or now)
         run.refresh_from_db()
         return run
+
+
+def _interrupt(run: Run, *, now: datetime, why: str) -> None:
+    """pending/running (lease expired) -> interrupted, inside the caller's transaction, with an alert.
+
+    A notification run that is interrupted counts as a failed delivery; a chat turn says so in the thread.
+    """
+    from tasks import notifications
+    from tasks.alerts import raise_alert
+    from tasks.models import Alert
+
+    if not Run.objects.filter(pk=run.pk, status=run.status, attempts=run.attempts).update(
+            status=Run.Status.INTERRUPTED, error=why[:2000], finished_at=now, lease_owner="", lease_expires_at=None):
+        return
+    if run.kind == Run.Kind.NOTIFICATION and run.task_id:
+        notifications.run_failed(run.task_id, run.task_version, error=f"the notification run was interrupted: {why}",
+                                 now=now)
+    else:
+        Message.objects.create(thread_id=run.thread_id, role=Message.Role.ASSISTANT, run=run, created_at=now,
+                               data={"error": True},
+                               content="Sorry, I was interrupted several times while answering. Please try again.")
+    raise_alert(Alert.Kind.POISON, f"chat run {run.public_id} in a thread of tenant {run.tenant_id} {why}",
+                now=now, tenant_id=run.tenant_id)
+    thread_id = run.thread_id
+    transaction.on_commit(lambda: notifications.kick_pending_in_thread(thread_id))
+    _wake_thread(run.thread)
 
 
 def complete(run: Run, *, owner: str, reply: str, data: dict[str, Any], now: datetime) -> bool:

@@ -230,6 +230,8 @@ LONGHAUL_GATEWAY_SLICE_SECONDS = envfloat("LONGHAUL_GATEWAY_SLICE_SECONDS", 60.0
 LONGHAUL_OPERATION_LEASE_SECONDS = envfloat("LONGHAUL_OPERATION_LEASE_SECONDS", 180.0, minimum=1.0)
 LONGHAUL_NOTIFY_RETRY_BASE_SECONDS = envfloat("LONGHAUL_NOTIFY_RETRY_BASE_SECONDS", 2.0, minimum=0.0)
 LONGHAUL_NOTIFY_RETRY_CAP_SECONDS = envfloat("LONGHAUL_NOTIFY_RETRY_CAP_SECONDS", 300.0, minimum=0.0)
+# Busy-thread deferrals of one notification version before each further one counts as a failure.
+LONGHAUL_NOTIFY_MAX_DEFERRALS = envint("LONGHAUL_NOTIFY_MAX_DEFERRALS", 100, minimum=1)
 # The research agent's gateways (tasks/gateway/): offline by default, so it works with no network.
 LONGHAUL_MODEL_PROVIDER = envstr("LONGHAUL_MODEL_PROVIDER", "offline")
 LONGHAUL_MODEL_BASE_URL = envstr("LONGHAUL_MODEL_BASE_URL")
@@ -250,6 +252,8 @@ LONGHAUL_STREAM_POLL_S = envfloat("LONGHAUL_STREAM_POLL_S", 1.0, minimum=0.01)  
 LONGHAUL_STREAM_SAFETY_POLL_S = envfloat("LONGHAUL_STREAM_SAFETY_POLL_S", 15.0, minimum=0.01)  # with Redis
 LONGHAUL_ALERT_EMAIL = envbool("LONGHAUL_ALERT_EMAIL", False)
 LONGHAUL_NOTIFIER = envstr("LONGHAUL_NOTIFIER", "chat.notify.deliver")
+# What became of a notification run, by its key (the sweeper asks about dispatched notifications).
+LONGHAUL_NOTIFIER_RUN_STATE = envstr("LONGHAUL_NOTIFIER_RUN_STATE", "chat.notify.run_state")
 
 # Remote MCP tasks (tasks/mcp/config.py describes the servers file).
 LONGHAUL_MCP_SERVERS = envstr("LONGHAUL_MCP_SERVERS")  # path of a TOML or JSON file; empty: no servers

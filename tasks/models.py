@@ -116,10 +116,13 @@ class Task(models.Model):
     dispatch_version = models.PositiveIntegerField(default=0)
     dispatch_attempt = models.PositiveIntegerField(default=0)
     dispatch_event = models.JSONField(null=True, blank=True)
-    notification_run = models.ForeignKey("chat.Run", null=True, blank=True, on_delete=models.SET_NULL,
-                                         related_name="+")
     notification_error = models.TextField(blank=True)
-    notification_attempt_count = models.PositiveIntegerField(default=0)
+    notification_attempt_count = models.PositiveIntegerField(
+        default=0, help_text="Failed deliveries of the newest version; reset by a new version and by a delivery.")
+    notification_deferrals = models.PositiveIntegerField(
+        default=0, help_text="Times the newest version found its thread busy; past a ceiling they count as failures.")
+    notification_dispatches = models.PositiveIntegerField(
+        default=0, help_text="Deliveries started, ever: the attempt in run keys, so a revived dead letter gets a new key.")
     next_notification_at = models.DateTimeField(null=True, blank=True)
     notification_lease_owner = models.CharField(max_length=200, blank=True)
     notification_lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -288,8 +291,10 @@ class Alert(models.Model):
         STALLED = "stalled"
         POISON = "poison"
         QUOTA_REJECTIONS = "quota_rejections"
+        LIVENESS = "liveness"  # the sweeper found a row with no way forward and repaired it
 
     kind = models.CharField(max_length=32, choices=Kind.choices)
+    rule = models.CharField(max_length=64, blank=True, help_text="For a liveness repair: the rule the row broke.")
     tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts")
     task = models.ForeignKey(Task, null=True, blank=True, on_delete=models.CASCADE, related_name="alerts")
     message = models.TextField()
@@ -304,6 +309,8 @@ class Alert(models.Model):
         indexes = [
             # admin index: open alerts, newest first.
             models.Index(fields=["-created_at"], name="alert_open_idx", condition=Q(acknowledged_at__isnull=True)),
+            # metrics: liveness repairs counted by rule.
+            models.Index(fields=["rule"], name="alert_liveness_idx", condition=Q(kind="liveness")),
         ]
 
     def __str__(self) -> str:

@@ -157,12 +157,6 @@ def admit(*, now: datetime) -> list[int]:
     return admitted
 
 
-def admit_waiting_tenants(*, now: datetime) -> int:
-    """The sweeper's safety net: one system-wide admission."""
-    with transaction.atomic():
-        return len(admit(now=now))
-
-
 def _serialize_admission() -> None:
     """One admitter at a time, until its transaction ends, so no cap is exceeded by a race.
 

@@ -1,5 +1,6 @@
-"""The safety net: re-kick what is due and held by nobody, admit into free slots,
-time out stale queues, flag stalled tasks, forget expired idempotency keys.
+"""The safety net: re-kick what is due and held by nobody, check and repair the liveness
+rules (tasks/liveness.py: every repair raises an alert), time out stale queues, flag
+stalled tasks, forget expired idempotency keys.
 
 Kicks may be lost; this makes sure nothing waits forever because of it. Each part
 runs on its own, so one failing part never stops the others.
@@ -15,11 +16,10 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from tasks import kicks, notifications, operations, transitions
+from tasks import kicks, liveness, notifications, operations, transitions
 from tasks.events import NewEvent, append
 from tasks.alerts import raise_alert
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
-from tasks.scheduling import admit_waiting_tenants
 from tasks.statuses import CLAIMABLE, ErrorClass, TaskStatus
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def run_once(*, now: datetime) -> dict[str, int]:
         "operations_kicked": kick_operations,
         "notifications_kicked": lambda at: notifications.kick_due(at, limit=settings.LONGHAUL_SWEEP_BATCH),
         "queue_timeouts": fail_queue_timeouts,
-        "admitted": lambda at: admit_waiting_tenants(now=at),
+        "liveness_repairs": lambda at: sum(liveness.repair(at).values()),
         "stalled": flag_stalled,
         "idempotency_expired": forget_expired_keys,
     }

@@ -17,8 +17,8 @@ from django.db.models import Q
 
 from tasks.errors import InvalidTransition
 from tasks.events import NewEvent, append
-from tasks.models import Task
-from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, TaskStatus
+from tasks.models import Operation, Task
+from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
 
 TOLD = frozenset({TaskStatus.WAITING_INPUT, TaskStatus.PARTIAL, TaskStatus.SUCCEEDED, TaskStatus.FAILED,
                   TaskStatus.CANCELLED})
@@ -63,8 +63,18 @@ def _move(
         from tasks import notifications  # imported here: notifications builds on leases, which builds on us
 
         notifications.note(task, event=to, now=now)
+    if to in TERMINAL:
+        _close_pending_operations(task, now=now)
     _admit_after(was, to, now=now)
     return True
+
+
+def _close_pending_operations(task: Task, *, now: datetime) -> None:
+    """A task that ended will never read the calls it asked for: those no gateway job took yet are
+    closed with it, so none waits forever (calls in flight record their outcome as usual)."""
+    Operation.objects.filter(task_id=task.pk, status=OperationStatus.PENDING).update(
+        status=OperationStatus.FAILED, error_class="cancelled", error_message="its task ended before it ran",
+        finished_at=now)
 
 
 def _admit_after(was: str, to: str, *, now: datetime) -> None:
@@ -203,6 +213,15 @@ def operations_done(task: Task, *, now: datetime) -> bool:
     return _move(task, S.RUNNING, allowed_from={S.WAITING_TOOL, S.RUNNING}, now=now,
                  guard=NOT_HELD & Q(next_run_at__isnull=True),
                  fields={"next_run_at": now, "waiting_reason": "", "last_progress_at": now}, events=events)
+
+
+def make_due(task: Task, *, now: datetime, reason: str) -> bool:
+    """running/retry_wait/waiting_tool (not held, not due) -> running, due now: the liveness repair
+    for a task that nothing would ever claim (tasks/liveness.py)."""
+    return _move(task, S.RUNNING, allowed_from={S.RUNNING, S.RETRY_WAIT, S.WAITING_TOOL}, now=now,
+                 guard=_lease_free(now) & Q(next_run_at__isnull=True),
+                 fields={"next_run_at": now, "waiting_reason": "", "lease_owner": "", "lease_expires_at": None},
+                 events=[NewEvent("repaired", {"reason": reason})])
 
 
 def defer(task: Task, *, token: int, now: datetime, until: datetime, reason: str) -> bool:

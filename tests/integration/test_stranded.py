@@ -9,9 +9,13 @@ from datetime import timedelta
 import pytest
 import time_machine
 
-from tasks import actions, clock, jobs, leases, operations, runner
-from tasks.models import Checkpoint, Operation, Task
-from tasks.statuses import OperationStatus, TaskStatus
+from django.db import transaction
+
+from tasks import actions, clock, jobs, leases, liveness, notifications, operations, runner, sweeper
+from tasks.models import Alert, Checkpoint, Operation, Task
+from tasks.statuses import NotificationStatus, OperationStatus, TaskStatus
+from tests.factories import submit_sleep
+from tests.integration.chatting import run_queued
 
 S = TaskStatus
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -111,3 +115,149 @@ def test_a_resumed_task_whose_calls_finished_during_its_claim_is_due_again(acme,
     assert due or task.current_step > 1, (task.status, task.waiting_reason, task.next_run_at, task.lease_owner)
     task = run_to_end(task)
     assert task.status == S.SUCCEEDED, (task.status, task.error_message)
+
+
+# --- the notification outbox and chat runs ------------------------------------------
+
+
+@pytest.fixture
+def root_user(db):
+    from django.contrib.auth.models import User
+
+    return User.objects.create_superuser("root", password="root-password-1")
+
+
+@pytest.fixture
+def thread(acme, alice):
+    from chat.models import Thread
+
+    return Thread.objects.create(tenant=acme, owner=alice, title="work")
+
+
+def finished_in(thread, acme, alice) -> Task:
+    task = submit_sleep(acme, alice, steps=1, thread_id=thread.pk)
+    for _ in range(10):
+        task.refresh_from_db()
+        if task.status == S.SUCCEEDED:
+            return task
+        jobs.advance(task.pk)
+    raise AssertionError(task.status)
+
+
+def note_newer_event(task: Task, name: str) -> None:
+    with transaction.atomic():
+        Task.objects.filter(pk=task.pk).update(name=name)
+        task.refresh_from_db()
+        assert notifications.note(task, event="succeeded", now=clock.now())
+
+
+def broken_notifier(delivery):
+    raise ConnectionError("chat is down")
+
+
+def test_a_newer_event_gets_its_own_delivery_attempts(acme, alice, thread, settings):
+    settings.LONGHAUL_NOTIFIER = "tests.integration.test_stranded.broken_notifier"
+    task = finished_in(thread, acme, alice)
+    start = clock.now()
+    outcomes = []
+    for n in range(4):
+        with time_machine.travel(start + timedelta(hours=n + 1), tick=False):
+            outcomes.append(notifications.deliver(task.pk))
+    assert outcomes == ["retry"] * 4
+    note_newer_event(task, "renamed")
+    task.refresh_from_db()
+    assert task.notification_attempt_count == 0, "the newer version starts with no failures"
+    with time_machine.travel(start + timedelta(hours=6), tick=False):
+        assert notifications.deliver(task.pk) == "retry", "not dead-lettered by the older version's failures"
+
+
+def fail_notification_run(task: Task) -> None:
+    """The notification run starts and fails (its agent raised)."""
+    from chat import runs
+    from chat.models import Run
+
+    run = Run.objects.filter(task_id=task.pk, status=Run.Status.PENDING).get()
+    claimed = runs.claim(run.pk, owner="w:1", now=clock.now())
+    runs.fail(claimed, owner="w:1", error="RuntimeError: the model is down", now=clock.now())
+
+
+def test_a_revived_dead_letter_starts_a_new_run_and_is_delivered(acme, alice, thread, root_user):
+    from chat.models import Message, Run
+    from tasks import admin_actions
+
+    task = finished_in(thread, acme, alice)
+    start = clock.now()
+    for n in range(notifications.MAX_FAILURES):
+        with time_machine.travel(start + timedelta(hours=n + 1), tick=False):
+            assert notifications.deliver(task.pk) == "dispatched"
+            fail_notification_run(task)
+    task.refresh_from_db()
+    assert task.notification_status == NotificationStatus.DEAD_LETTER
+    runs_before = Run.objects.count()
+
+    admin_actions.retry_notification(task, user=root_user)
+    assert notifications.deliver(task.pk) == "dispatched"
+    assert Run.objects.count() == runs_before + 1, "a new run, not the failed one found again by its key"
+    run_queued()
+    task.refresh_from_db()
+    assert (task.notification_status, task.notified_version) == (NotificationStatus.DELIVERED, 1)
+    assert Message.objects.filter(thread=thread, role="assistant", run__task_id=task.pk,
+                                  run__status=Run.Status.SUCCEEDED).count() == 1
+
+
+def test_a_dispatched_notification_whose_run_vanished_is_swept_and_delivered(acme, alice, thread):
+    from chat.models import Run
+
+    task = finished_in(thread, acme, alice)
+    assert notifications.deliver(task.pk) == "dispatched"
+    Run.objects.filter(task_id=task.pk).delete()  # the run is gone (an operator deleted it, say)
+    later = clock.now() + notifications.DISPATCH_WATCH + timedelta(seconds=1)
+    with time_machine.travel(later, tick=False):
+        assert [v.rule for v in liveness.find_violations(clock.now())] == ["notification_run_lost"]
+        sweeper.run_once(now=clock.now())
+        assert liveness.find_violations(clock.now()) == []
+    with time_machine.travel(later + timedelta(minutes=10), tick=False):
+        sweeper.run_once(now=clock.now())
+        run_queued()
+    task.refresh_from_db()
+    assert task.notification_status == NotificationStatus.DELIVERED
+    assert Alert.objects.get(kind=Alert.Kind.LIVENESS).rule == "notification_run_lost"
+
+
+def test_a_chat_run_whose_workers_keep_dying_ends_interrupted_and_frees_its_thread(acme, alice, thread, settings):
+    from chat import runs
+    from chat.models import Message, Run
+
+    chat_run, _ = runs.start_run(thread, kind=Run.Kind.CHAT, user_text="hello", hidden=False, key=None)
+    task = finished_in(thread, acme, alice)
+    assert notifications.deliver(task.pk) == "busy"
+    at = clock.now()
+    for n in range(settings.LONGHAUL_MAX_ATTEMPTS):
+        assert runs.claim(chat_run.pk, owner=f"dies:{n}", now=at) is not None  # ... and the worker dies
+        at += timedelta(seconds=runs.lease_seconds() + 1)
+    assert runs.claim(chat_run.pk, owner="next:1", now=at) is None
+    chat_run.refresh_from_db()
+    assert chat_run.status == Run.Status.INTERRUPTED
+    assert Message.objects.filter(run=chat_run, role="assistant").count() == 1, "the thread is told"
+    assert Alert.objects.filter(kind=Alert.Kind.POISON, tenant=acme).count() == 1
+    with time_machine.travel(at, tick=False):
+        run_queued()
+    task.refresh_from_db()
+    assert task.notification_status == NotificationStatus.DELIVERED, "the freed thread took the notification"
+
+
+def test_a_thread_busy_past_the_ceiling_counts_as_a_failed_delivery(acme, alice, thread, settings):
+    from chat import runs
+    from chat.models import Run
+
+    settings.LONGHAUL_NOTIFY_MAX_DEFERRALS = 2
+    runs.start_run(thread, kind=Run.Kind.CHAT, user_text="hello", hidden=False, key=None)  # never ends here
+    task = finished_in(thread, acme, alice)
+    start = clock.now()
+    outcomes = []
+    for n in range(4):
+        with time_machine.travel(start + timedelta(minutes=n + 1), tick=False):
+            outcomes.append(notifications.deliver(task.pk))
+    assert outcomes[:3] == ["busy", "busy", "retry"]
+    task.refresh_from_db()
+    assert task.notification_attempt_count >= 1 and "busy" in task.notification_error

@@ -9,7 +9,7 @@ import time_machine
 from django_q.models import OrmQ
 
 from tasks import clock, leases, sweeper
-from tasks.models import AuditEntry, IdempotencyRecord, Task
+from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
 from tasks.statuses import TaskStatus
 from tests.factories import make_task, submit_sleep
 
@@ -49,11 +49,13 @@ def test_it_fails_tasks_that_waited_past_their_queue_deadline(acme, alice):
     assert "deadline" in task.error_message
 
 
-def test_it_admits_queued_tasks_when_slots_are_free(acme, alice):
-    queued = make_task(acme, alice, status=S.QUEUED)
+def test_it_admits_queued_tasks_when_slots_are_free_and_says_so(acme, alice):
+    queued = make_task(acme, alice, status=S.QUEUED)  # staged: queued without the admission its transition does
     counts = sweeper.run_once(now=clock.now())
-    assert counts["admitted"] == 1
+    assert counts["liveness_repairs"] == 1
     assert Task.objects.get(pk=queued.pk).status == S.RUNNING
+    [alert] = Alert.objects.filter(kind=Alert.Kind.LIVENESS)
+    assert alert.rule == "admission_missed" and alert.task_id == queued.pk
 
 
 def test_a_fresh_heartbeat_with_stale_progress_is_flagged_once(acme, alice, settings):

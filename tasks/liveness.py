@@ -1,0 +1,249 @@
+"""The liveness rules (DESIGN §4 "Nothing is ever stranded"), checked and repaired.
+
+For every row that is not finished there is always a way forward. At every commit one
+of these holds for a task that is not terminal:
+
+- a lease that has not expired (someone is working on it);
+- a due time (`next_run_at`) that the sweeper's kick reaches even if every other kick is lost;
+- an unfinished operation whose completion makes the task due;
+- a wait for a person (`waiting_input`, `paused`, `partial`), visible to them;
+- queued behind a full quota (a slot-holding task's end admits it).
+
+The same for the notification outbox (due, leased, or dispatched to a run that is still
+going) and operations (pending or leased while their task waits, or closed when it ends).
+`find_violations` lists the rows that break a rule, read-only, with indexed queries
+bounded by the sweep batch; `repair` fixes each and raises an alert naming the row and
+the rule (nothing is repaired silently); /metrics counts repairs by rule.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Exists, F, OuterRef, Q
+
+from tasks import kicks, notifications, scheduling, transitions
+from tasks.alerts import raise_alert
+from tasks.models import Alert, Operation, Task
+from tasks.statuses import CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
+
+log = logging.getLogger(__name__)
+S = TaskStatus
+N = NotificationStatus
+UNFINISHED_OPS = (OperationStatus.PENDING, OperationStatus.STARTED)
+
+
+@dataclass(frozen=True)
+class Violation:
+    """A row with no way forward, and the rule it breaks."""
+
+    rule: str
+    table: str  # "task" | "operation" | "notification" | "run"
+    row_id: int
+    detail: str
+
+
+# --- the rules ---------------------------------------------------------------------
+
+
+def _unfinished_ops_of_last_step() -> Exists:
+    return Exists(Operation.objects.filter(task=OuterRef("pk"), step=OuterRef("current_step") - 1,
+                                           status__in=UNFINISHED_OPS))
+
+
+def waits_for_nothing(limit: int) -> list[Task]:
+    """Waiting for operations (waiting_tool, or running for the model) that have all finished:
+    their last completion did not make the task due (rule `operations_done_unnoticed`)."""
+    waiting = Q(status=S.WAITING_TOOL) | Q(status=S.RUNNING, waiting_reason__in=("model", "tool"))
+    return list(Task.objects.filter(waiting, lease_owner="", next_run_at__isnull=True)
+                .exclude(_unfinished_ops_of_last_step())[:limit])
+
+
+def never_due(limit: int) -> list[Task]:
+    """Claimable, not held, not waiting for calls, and with no due time: nothing would ever claim it
+    (rule `task_not_due`)."""
+    return list(Task.objects.filter(status__in=CLAIMABLE, next_run_at__isnull=True)
+                .filter(Q(lease_owner="") | Q(lease_expires_at__isnull=True))
+                .exclude(status=S.RUNNING, waiting_reason__in=("model", "tool"))[:limit])
+
+
+def stop_not_acted_on(now: datetime, limit: int) -> list[Task]:
+    """Asked to cancel (or pause) while nobody holds it and nothing will claim it: the request
+    should have stopped it at once (rule `stop_request_ignored`)."""
+    grace = now - timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS)
+    asked = Q(cancel_requested_at__lt=grace) | Q(pause_requested_at__lt=grace, status__in=[
+        S.QUEUED, S.RUNNING, S.RETRY_WAIT, S.WAITING_INPUT, S.WAITING_TOOL])
+    unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
+    return list(Task.objects.filter(asked, unheld).exclude(status__in=TERMINAL)
+                .filter(Q(next_run_at__isnull=True) | ~Q(status__in=CLAIMABLE))
+                .exclude(status=S.PAUSED, cancel_requested_at__isnull=True)[:limit])
+
+
+def queued_with_free_slots() -> list[int]:
+    """Tenants whose queued tasks could take a free slot now (rule `admission_missed`)."""
+    free = settings.LONGHAUL_MAX_RUNNING - Task.objects.filter(status__in=sorted(HOLDS_SLOT)).count()
+    if free <= 0:
+        return []
+    return [q.tenant_id for q in scheduling.waiting_tenants()]
+
+
+def orphaned_operations(now: datetime, limit: int) -> list[Operation]:
+    """Unfinished operations of a task that has ended, that no gateway job holds: nothing will
+    ever run or close them (rule `operation_orphaned`)."""
+    grace = now - timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
+    return list(Operation.objects.filter(task__status__in=sorted(TERMINAL), status__in=UNFINISHED_OPS)
+                .filter(Q(status=OperationStatus.PENDING, created_at__lt=grace)
+                        | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
+                .select_related("task")[:limit])
+
+
+def notifications_not_due(limit: int) -> list[Task]:
+    """Pending or retrying with no due time (rule `notification_not_due`)."""
+    return list(Task.objects.filter(notification_status__in=[N.PENDING, N.RETRY],
+                                    next_notification_at__isnull=True)[:limit])
+
+
+def notifications_untold(limit: int) -> list[Task]:
+    """A newer event than the one told, on a row the deliverer will not look at (rule `notification_untold`)."""
+    return list(Task.objects.filter(notification_status__in=[N.NONE, N.DELIVERED], thread__isnull=False,
+                                    event_version__gt=0)
+                .filter(event_version__gt=F("notified_version"))[:limit])
+
+
+def dispatched_runs_ended(now: datetime, limit: int) -> list[tuple[Task, str]]:
+    """Dispatched notifications whose run has ended or vanished without telling the outbox
+    (rule `notification_run_lost`); runs still going are only watched again."""
+    found = []
+    for task in Task.objects.filter(notification_status=N.DISPATCHED, next_notification_at__lte=now)[:limit]:
+        state = notifications.dispatched_run_state(task)
+        if state != "active":
+            found.append((task, state))
+    return found
+
+
+def find_violations(now: datetime) -> list[Violation]:
+    """Every row that breaks a liveness rule now (read-only)."""
+    limit = settings.LONGHAUL_SWEEP_BATCH
+    out: list[Violation] = []
+    out += [Violation("operations_done_unnoticed", "task", t.pk, f"{t.status}, its calls all finished")
+            for t in waits_for_nothing(limit)]
+    out += [Violation("task_not_due", "task", t.pk, f"{t.status} with no due time and no lease")
+            for t in never_due(limit)]
+    out += [Violation("stop_request_ignored", "task", t.pk, f"{t.status}, asked to stop")
+            for t in stop_not_acted_on(now, limit)]
+    out += [Violation("admission_missed", "task", tenant_id, "a tenant's queued task could take a free slot")
+            for tenant_id in queued_with_free_slots()]
+    out += [Violation("operation_orphaned", "operation", op.pk, f"{op.status} after its task {op.task.status}")
+            for op in orphaned_operations(now, limit)]
+    out += [Violation("notification_not_due", "notification", t.pk, f"{t.notification_status} with no due time")
+            for t in notifications_not_due(limit)]
+    out += [Violation("notification_untold", "notification", t.pk,
+                      f"v{t.event_version} newer than v{t.notified_version}, {t.notification_status}")
+            for t in notifications_untold(limit)]
+    out += [Violation("notification_run_lost", "notification", t.pk, f"dispatched; its run is {state}")
+            for t, state in dispatched_runs_ended(now, limit)]
+    return out
+
+
+# --- repairs -------------------------------------------------------------------------
+
+
+def repair(now: datetime) -> dict[str, int]:
+    """Fix every violation found, each in its own transaction, with an alert naming the row and the rule."""
+    limit = settings.LONGHAUL_SWEEP_BATCH
+    repairs: dict[str, Callable[[], Iterator[tuple[Task | None, str]]]] = {
+        "operations_done_unnoticed": lambda: _make_due(waits_for_nothing(limit), now, "its calls had all finished"),
+        "task_not_due": lambda: _make_due(never_due(limit), now, "it had no due time and no lease"),
+        "stop_request_ignored": lambda: _stop(stop_not_acted_on(now, limit), now),
+        "admission_missed": lambda: _admit(now),
+        "operation_orphaned": lambda: _close_operations(orphaned_operations(now, limit), now),
+        "notification_not_due": lambda: _notification_due(notifications_not_due(limit), now),
+        "notification_untold": lambda: _notification_due(notifications_untold(limit), now),
+        "notification_run_lost": lambda: _settle_dispatched(now, limit),
+    }
+    counts: dict[str, int] = {}
+    for rule, fix in repairs.items():
+        counts[rule] = 0
+        try:
+            for task, what in fix():
+                _alert(rule, task, what, now=now)
+                counts[rule] += 1
+        except Exception:  # one broken rule must not stop the others
+            log.exception("liveness repair %s failed", rule)
+    return counts
+
+
+def _alert(rule: str, task: Task | None, what: str, *, now: datetime) -> None:
+    name = f"task {task.name!r}" if task else "a row"
+    with transaction.atomic():
+        alert = raise_alert(Alert.Kind.LIVENESS, f"{name}: {what}; repaired (rule {rule})", now=now, task=task)
+        Alert.objects.filter(pk=alert.pk).update(rule=rule)
+
+
+def _make_due(tasks: list[Task], now: datetime, why: str) -> Iterator[tuple[Task, str]]:
+    for task in tasks:
+        with transaction.atomic():
+            won = transitions.make_due(task, now=now, reason=why)
+            if won:
+                kicks.kick("advance", task.pk)
+        if won:
+            yield task, f"{why}; made due now"
+
+
+def _stop(tasks: list[Task], now: datetime) -> Iterator[tuple[Task, str]]:
+    from tasks.runner import stop_as_requested
+
+    for task in tasks:
+        with transaction.atomic():
+            fresh = Task.objects.select_for_update().get(pk=task.pk)
+            if fresh.status in TERMINAL:
+                continue
+            stop_as_requested(fresh, now=now)
+        yield fresh, "a stop request was not acted on; stopped now"
+
+
+def _admit(now: datetime) -> Iterator[tuple[Task | None, str]]:
+    if not queued_with_free_slots():
+        return
+    with transaction.atomic():
+        admitted = scheduling.admit(now=now)
+    for task in Task.objects.filter(pk__in=admitted):
+        yield task, "it waited in the queue while a slot was free; admitted"
+
+
+def _close_operations(ops: list[Operation], now: datetime) -> Iterator[tuple[Task, str]]:
+    for op in ops:
+        closed = Operation.objects.filter(pk=op.pk, status=op.status).update(
+            status=OperationStatus.FAILED, error_class="cancelled", error_message="its task ended before it finished",
+            finished_at=now, lease_owner="", lease_expires_at=None)
+        if closed:
+            yield op.task, f"operation {op.key} ({op.kind} {op.name}) outlived its task; closed"
+
+
+def _notification_due(tasks: list[Task], now: datetime) -> Iterator[tuple[Task, str]]:
+    for task in tasks:
+        if Task.objects.filter(pk=task.pk, notification_status=task.notification_status,
+                               event_version=task.event_version).update(
+                notification_status=N.PENDING, next_notification_at=now):
+            kicks.kick("deliver", task.pk)
+            yield task, f"notification v{task.event_version} was {task.notification_status} with nothing due; pending"
+
+
+def _settle_dispatched(now: datetime, limit: int) -> Iterator[tuple[Task, str]]:
+    for task in Task.objects.filter(notification_status=N.DISPATCHED, next_notification_at__lte=now)[:limit]:
+        state = notifications.dispatched_run_state(task)
+        with transaction.atomic():
+            if state == "active":
+                notifications.watch_again(task, now=now)  # a long run: not a violation
+                continue
+            if state == "succeeded":
+                notifications.run_finished(task.pk, task.dispatch_version, now=now)
+            else:
+                notifications.run_failed(task.pk, task.dispatch_version, now=now,
+                                         error=f"the notification run is {state} and never reported back")
+        yield task, f"notification v{task.dispatch_version} was dispatched to a run that is {state}; settled"
