@@ -27,11 +27,11 @@ from django.conf import settings
 from django.db.models import Count, Min, Q
 from django.db.models.fields.json import KT
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tasks import clock, operations, scheduling
-from tasks.models import AuditEntry, Operation, Task, TaskEvent, Tenant
+from tasks.models import Alert, AuditEntry, Operation, Task, TaskEvent, Tenant
 from tasks.statuses import HOLDS_SLOT, NotificationStatus, OperationStatus, TaskStatus
 
 WINDOW = timedelta(hours=1)
@@ -258,6 +258,22 @@ def recovery_metrics(tenants: Tenants, *, now: datetime) -> Iterator[Metric]:
     for tenant_id, n in _count_by_tenant(rows).items():
         dead.add_metric([_slug(tenants, tenant_id)], n)
     yield dead
+
+    yield liveness_repairs()
+
+
+def liveness_repairs() -> Metric:
+    """Rows the sweeper found with no way forward and repaired, by the rule they broke (tasks/liveness.py).
+
+    A counter over the alerts each repair raised (alert_liveness_idx); acknowledging an alert keeps it counted.
+    """
+    repairs = CounterMetricFamily("longhaul_liveness_repairs",
+                                  "Rows found with no way forward and repaired by the sweeper, by rule.",
+                                  labels=["rule"])
+    rows = Alert.objects.filter(kind=Alert.Kind.LIVENESS).order_by().values("rule").annotate(n=Count("*"))
+    for row in rows:
+        repairs.add_metric([row["rule"] or "unknown"], row["n"])
+    return repairs
 
 
 # --- model and tool pools ---------------------------------------------------------

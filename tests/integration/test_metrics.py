@@ -142,6 +142,17 @@ def test_it_exposes_takeovers_retries_dead_letters_and_refusals(acme, alice, glo
     assert value(found, "longhaul_queue_rejections_recent", tenant="acme") == 1
 
 
+def test_it_counts_liveness_repairs_by_rule(acme, alice):
+    from tasks import sweeper
+
+    make_task(acme, alice, status=S.QUEUED)  # staged without its admission: the sweeper repairs it
+    make_task(acme, alice, status=S.RUNNING, next_run_at=None)  # claimable, never due
+    sweeper.run_once(now=clock.now())
+    found = samples(scrape(**bearer(TOKEN)))
+    assert value(found, "longhaul_liveness_repairs_total", rule="admission_missed") == 1
+    assert value(found, "longhaul_liveness_repairs_total", rule="task_not_due") == 1
+
+
 def test_it_exposes_pool_saturation_and_call_latency(acme, alice, settings):
     settings.LONGHAUL_MODEL_CONCURRENCY = 4
     now = clock.now()
