@@ -1,29 +1,35 @@
-"""What callers ask of the runtime: submit, cancel, pause, resume.
+"""What callers ask of the runtime: submit, cancel, pause, resume, answer, and what operators
+ask in the admin (requeue a failed task, release a stuck lease, retry a dead letter,
+acknowledge an alert, set quotas).
 
-Each action is one transaction. API views, admin actions and the chat agent call
-these, never the transitions directly.
+Each action is one transaction that leaves an AuditEntry naming who asked. API views,
+admin actions and the chat agent call these, never the transitions directly. An action
+with nothing to do raises Conflict with a code the caller turns into a message.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from tasks import clock, kicks, runner, scheduling, transitions
+from tasks import clock, kicks, notifications, runner, scheduling, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drivers import get_driver
 from tasks.errors import Conflict, InvalidInput, QuotaExceeded
 from tasks.events import NewEvent
-from tasks.models import AuditEntry, IdempotencyRecord, Task, Tenant
+from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task, Tenant
 from tasks.statuses import TERMINAL, TaskStatus
+
+S = TaskStatus
 
 MAX_NAME = 200
 PRIORITY_RANGE = (-10, 10)
+QUOTA_FIELDS = ("max_running", "max_queued", "weight")
 
 
 @dataclass(frozen=True)
@@ -174,6 +180,80 @@ def answer(task: Task, *, user: Any, text: str) -> Task:
     return fresh
 
 
+# --- what operators ask for in the admin ----------------------------------------------
+
+
+def requeue_failed(task: Task, *, user: Any) -> Task:
+    """failed -> queued: a new attempt from the last checkpoint with a fresh retry budget."""
+    now = clock.now()
+    with transaction.atomic():
+        fresh = Task.objects.select_for_update().get(pk=task.pk)
+        if fresh.status != S.FAILED:
+            raise Conflict(f"a {fresh.status} task cannot be requeued", code="not_failed")
+        previous = {"error_class": fresh.error_class, "error_message": fresh.error_message[:200],
+                    "retries": fresh.retries, "step": fresh.current_step}
+        deadline = now + timedelta(seconds=Budget.of(fresh.budget).queue_deadline_seconds)
+        if not transitions.requeue_failed(fresh, now=now, queue_deadline_at=deadline):
+            raise Conflict("the task changed while it was being requeued", code="changed")
+        _audit(fresh, user, "task.requeue", now, previous)
+    fresh.refresh_from_db()
+    return fresh
+
+
+def release_lease(task: Task, *, user: Any) -> Task:
+    """Take a stuck lease away from its holder: the fencing token moves on, so the old
+    holder can write nothing more, and the step is due again for any worker."""
+    now = clock.now()
+    with transaction.atomic():
+        fresh = Task.objects.select_for_update().get(pk=task.pk)
+        if fresh.status != S.RUNNING or not fresh.lease_owner:
+            raise Conflict("nobody holds this task's lease", code="not_leased")
+        # The holder's name and token are internal: they go to the audit log, not the task's events.
+        held = {"lease_owner": fresh.lease_owner, "fencing_token": fresh.fencing_token,
+                "lease_expires_at": fresh.lease_expires_at.isoformat() if fresh.lease_expires_at else None}
+        if not transitions.release_lease(fresh, now=now):
+            raise Conflict("the task changed while its lease was being released", code="changed")
+        _audit(fresh, user, "task.release_lease", now, held)
+        kicks.kick("advance", fresh.pk)
+    return fresh
+
+
+def retry_notification(task: Task, *, user: Any) -> None:
+    """dead_letter -> pending: a fresh set of delivery attempts for the task's newest event."""
+    now = clock.now()
+    with transaction.atomic():
+        if not notifications.retry_dead_letter(task, now=now):
+            raise Conflict("the task's notification is not dead-lettered", code="not_dead_lettered")
+        _audit(task, user, "task.notification_retry", now,
+               {"event_version": task.event_version, "error": task.notification_error[:200]})
+
+
+def acknowledge_alert(alert: Alert, *, user: Any) -> None:
+    """Mark an alert seen; it leaves the admin index."""
+    now = clock.now()
+    with transaction.atomic():
+        acknowledged = Alert.objects.filter(pk=alert.pk, acknowledged_at__isnull=True).update(
+            acknowledged_at=now, acknowledged_by=user)
+        if not acknowledged:
+            raise Conflict("the alert was already acknowledged", code="already_acknowledged")
+        _audit(alert, user, "alert.acknowledge", now, {"kind": alert.kind})
+
+
+def set_quotas(tenant: Tenant, *, user: Any, quotas: dict[str, int]) -> None:
+    """Change a tenant's quotas; a raised max_running admits its queued tasks now, not at the next sweep."""
+    unknown = set(quotas) - set(QUOTA_FIELDS)
+    if unknown:
+        raise InvalidInput(f"not a quota: {', '.join(sorted(unknown))}", field=min(unknown))
+    now = clock.now()
+    with transaction.atomic():
+        # Locked so that the audit's old values are the ones this update replaced, even when two admins edit.
+        before = Tenant.objects.select_for_update().values(*quotas).get(pk=tenant.pk)
+        Tenant.objects.filter(pk=tenant.pk).update(**quotas)
+        _audit(tenant, user, "tenant.quotas", now,
+               {name: [before[name], value] for name, value in quotas.items() if before[name] != value})
+        scheduling.admit(now=now)  # not a transition: a raised max_running frees slots by itself
+
+
 def _act_on_stop_request(task: Task, *, now) -> None:
     """A task nobody holds stops now; a held one stops at its next safe point, and if its
     holder died, the kick at lease expiry lets the next claimer stop it."""
@@ -195,6 +275,13 @@ def _user_id(user: Any) -> int | None:
     return getattr(user, "pk", None)
 
 
-def _audit(task: Task, user: Any, action: str, now, details: dict) -> None:
-    AuditEntry.objects.create(tenant_id=task.tenant_id, actor_id=_user_id(user), action=action,
-                              target_type="task", target_id=str(task.public_id), details=details, at=now)
+def _audit(target: Task | Alert | Tenant, user: Any, action: str, now: datetime, details: dict[str, Any]) -> None:
+    """The one audit trail of every action: who did what to which row, and when."""
+    if isinstance(target, Task):
+        tenant_id, target_type, target_id = target.tenant_id, "task", str(target.public_id)
+    elif isinstance(target, Alert):
+        tenant_id, target_type, target_id = target.tenant_id, "alert", str(target.pk)
+    else:
+        tenant_id, target_type, target_id = target.pk, "tenant", target.slug
+    AuditEntry.objects.create(tenant_id=tenant_id, actor_id=_user_id(user), action=action, target_type=target_type,
+                              target_id=target_id, details=details, at=now)

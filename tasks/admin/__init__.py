@@ -1,7 +1,7 @@
 """The operators' admin: tasks and what they did, dead letters, alerts, tenant quotas, the audit log.
 
-Runtime rows are read-only here: they change only through the runtime (tasks.actions,
-tasks.admin_actions), which the actions call, each leaving an AuditEntry that names the
+Runtime rows are read-only here: they change only through the runtime's one door
+(tasks.actions), which the admin actions call, each leaving an AuditEntry that names the
 acting admin. A staff user sees and acts only within the tenants where they are a
 Membership admin; a superuser sees everything (scoping.py).
 

@@ -13,7 +13,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.utils.safestring import SafeString
 
-from tasks import admin_actions
+from tasks import actions
 from tasks.admin.display import admin_url, link
 from tasks.admin.outcomes import OutcomeTally, Phrase, run_for_each
 from tasks.admin.scoping import OperatorTenantFilter, ReadOnlyAdmin
@@ -62,7 +62,7 @@ class AlertAdmin(ReadOnlyAdmin):
     @admin.action(description="Acknowledge selected alerts", permissions=["operate"])
     def acknowledge_alerts(self, request: HttpRequest, queryset: QuerySet) -> HttpResponse | None:
         def acknowledge(alert: Alert) -> str:
-            admin_actions.acknowledge_alert(alert, user=request.user)
+            actions.acknowledge_alert(alert, user=request.user)
             return "acknowledged"
 
         run_for_each(self, request, queryset, acknowledge, OutcomeTally(("alert", "alerts"), {

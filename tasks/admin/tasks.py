@@ -10,7 +10,7 @@ from django.http import HttpRequest
 from django.utils.html import format_html, format_html_join
 from django.utils.safestring import SafeString
 
-from tasks import actions, admin_actions, clock
+from tasks import actions, clock
 from tasks.admin.display import admin_url, counted, format_duration, format_time, link, short_json
 from tasks.admin.outcomes import OutcomeTally, Phrase, run_for_each
 from tasks.admin.scoping import OperatorTenantFilter, ReadOnlyAdmin
@@ -236,7 +236,7 @@ class TaskAdmin(ReadOnlyAdmin):
     @admin.action(description="Requeue selected failed tasks from their last checkpoint", permissions=["operate"])
     def requeue_failed_tasks(self, request: HttpRequest, queryset: QuerySet) -> None:
         def requeue(task: Task) -> str:
-            admin_actions.requeue_failed(task, user=request.user)
+            actions.requeue_failed(task, user=request.user)
             return "requeued"
 
         run_for_each(self, request, queryset, requeue, OutcomeTally(("task", "tasks"), {
@@ -248,7 +248,7 @@ class TaskAdmin(ReadOnlyAdmin):
     @admin.action(description="Retry dead-lettered notifications", permissions=["operate"])
     def retry_notifications(self, request: HttpRequest, queryset: QuerySet) -> None:
         def retry(task: Task) -> str:
-            admin_actions.retry_notification(task, user=request.user)
+            actions.retry_notification(task, user=request.user)
             return "retried"
 
         run_for_each(self, request, queryset, retry, OutcomeTally(("notification", "notifications"), {
@@ -260,7 +260,7 @@ class TaskAdmin(ReadOnlyAdmin):
     @admin.action(description="Release stuck leases (fences the old holder)", permissions=["operate"])
     def release_leases(self, request: HttpRequest, queryset: QuerySet) -> None:
         def release(task: Task) -> str:
-            admin_actions.release_lease(task, user=request.user)
+            actions.release_lease(task, user=request.user)
             return "released"
 
         run_for_each(self, request, queryset, release, OutcomeTally(("lease", "leases"), {

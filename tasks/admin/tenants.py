@@ -1,4 +1,4 @@
-"""Tenants: quotas an operator may set (through tasks.admin_actions) and each tenant's task counts."""
+"""Tenants: quotas an operator may set (through tasks.actions) and each tenant's task counts."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from django.db.models.functions import Coalesce
 from django.http import HttpRequest
 from django.utils.safestring import SafeString
 
-from tasks import admin_actions
+from tasks import actions
 from tasks.admin.display import admin_url, link
 from tasks.admin.scoping import TenantScopedAdmin, operator_tenant_ids
 from tasks.models import Task, Tenant
@@ -29,7 +29,7 @@ def tasks_of_tenant(statuses: Iterable[str]) -> Coalesce:
 @admin.register(Tenant)
 class TenantAdmin(TenantScopedAdmin):
     list_display = ("slug", "name", "max_running", "max_queued", "weight", "running", "queued", "failed")
-    fields = ("slug", "name", "created_at", *admin_actions.QUOTA_FIELDS)
+    fields = ("slug", "name", "created_at", *actions.QUOTA_FIELDS)
     readonly_fields = ("slug", "name", "created_at")
     search_fields = ("slug", "name")
 
@@ -50,9 +50,9 @@ class TenantAdmin(TenantScopedAdmin):
         return False
 
     def save_model(self, request: HttpRequest, obj: Tenant, form: Any, change: bool) -> None:
-        quotas = {name: getattr(obj, name) for name in admin_actions.QUOTA_FIELDS if name in form.changed_data}
+        quotas = {name: getattr(obj, name) for name in actions.QUOTA_FIELDS if name in form.changed_data}
         if quotas:
-            admin_actions.set_quotas(obj, user=request.user, quotas=quotas)
+            actions.set_quotas(obj, user=request.user, quotas=quotas)
 
     @admin.display(description="running (slots held)", ordering="running_count")
     def running(self, tenant: Tenant) -> int:

@@ -183,7 +183,6 @@ def fail_notification_run(task: Task) -> None:
 
 def test_a_revived_dead_letter_starts_a_new_run_and_is_delivered(acme, alice, thread, root_user):
     from chat.models import Message, Run
-    from tasks import admin_actions
 
     task = finished_in(thread, acme, alice)
     start = clock.now()
@@ -195,7 +194,7 @@ def test_a_revived_dead_letter_starts_a_new_run_and_is_delivered(acme, alice, th
     assert task.notification_status == NotificationStatus.DEAD_LETTER
     runs_before = Run.objects.count()
 
-    admin_actions.retry_notification(task, user=root_user)
+    actions.retry_notification(task, user=root_user)
     assert notifications.deliver(task.pk) == "dispatched"
     assert Run.objects.count() == runs_before + 1, "a new run, not the failed one found again by its key"
     run_queued()
