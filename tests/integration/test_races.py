@@ -181,5 +181,5 @@ def test_two_delivery_jobs_claim_one_notification_and_one_wins(acme, alice):
     results = in_parallel(*[lambda o=o: notifications.claim(task.pk, owner=o, now=now) for o in ("d1", "d2")])
     winners = [r for r in results if isinstance(r, notifications.Delivery)]
     assert len(winners) == 1, results
-    assert winners[0].key == f"task:{task.pk}:1:0"
+    assert winners[0].key == f"task:{task.pk}:1:1", "version 1, the first delivery"
     assert Task.objects.get(pk=task.pk).notification_status == "claimed"
