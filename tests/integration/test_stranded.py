@@ -260,3 +260,17 @@ def test_a_thread_busy_past_the_ceiling_counts_as_a_failed_delivery(acme, alice,
     assert outcomes[:3] == ["busy", "busy", "retry"]
     task.refresh_from_db()
     assert task.notification_attempt_count >= 1 and "busy" in task.notification_error
+
+
+def test_a_deliverer_whose_lease_expired_can_neither_dispatch_nor_fail(acme, alice, thread, settings):
+    task = finished_in(thread, acme, alice)
+    first = notifications.claim(task.pk, owner="d1", now=clock.now())
+    later = clock.now() + timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS + 1)
+    assert not notifications.dispatch(first, "d1", now=later), "the lease's expiry is checked, not only its owner"
+    assert notifications.fail(first, "d1", "late", now=later) == "lost"
+    second = notifications.claim(task.pk, owner="d2", now=later)
+    assert second is not None and second.key == first.key, "a claimer that died: the same key"
+    assert not notifications.dispatch(first, "d1", now=later)
+    assert notifications.dispatch(second, "d2", now=later)
+    task.refresh_from_db()
+    assert task.notification_status == NotificationStatus.DISPATCHED
