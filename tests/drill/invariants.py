@@ -36,7 +36,26 @@ def check_all(tenant_id: int, *, now: datetime, watchers: list[StreamWatcher]) -
     for check in (tasks_end_as_expected, side_effects_once, events_gapless_and_ordered, notifications_told_once):
         found += check(tenant_id)
     found += no_stale_leases(tenant_id, now=now)
+    found += liveness_holds(tenant_id, now=now)
     found += streams_match_the_database(watchers)
+    return found
+
+
+def liveness_holds(tenant_id: int, *, now: datetime) -> list[Violation]:
+    """The runtime's own liveness rules (tasks/liveness.py) hold for this tenant's rows, and the
+    sweeper never had to repair one during the drill."""
+    from tasks import liveness
+    from tasks.models import Alert
+
+    tasks = set(Task.objects.filter(tenant_id=tenant_id).values_list("pk", flat=True))
+    ops = set(Operation.objects.filter(task__tenant_id=tenant_id).values_list("pk", flat=True))
+    found = [Violation(f"liveness rule {v.rule}", f"{v.table} {v.row_id}: {v.detail}")
+             for v in liveness.find_violations(now)
+             if (v.table == "operation" and v.row_id in ops) or (v.rule == "admission_missed" and v.row_id == tenant_id)
+             or (v.table in ("task", "notification") and v.rule != "admission_missed" and v.row_id in tasks)]
+    for rule, message in Alert.objects.filter(kind=Alert.Kind.LIVENESS, task__tenant_id=tenant_id).values_list(
+            "rule", "message"):
+        found.append(Violation(f"liveness rule {rule} repaired during the drill", message[:300]))
     return found
 
 
