@@ -79,7 +79,7 @@ def stop_not_acted_on(now: datetime, limit: int) -> list[Task]:
     asked = Q(cancel_requested_at__lt=grace) | Q(pause_requested_at__lt=grace, status__in=[
         S.QUEUED, S.RUNNING, S.RETRY_WAIT, S.WAITING_INPUT, S.WAITING_TOOL])
     unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
-    return list(Task.objects.filter(asked, unheld).exclude(status__in=TERMINAL)
+    return list(Task.objects.filter(asked, unheld).filter(status__in=sorted(set(TaskStatus) - TERMINAL))
                 .filter(Q(next_run_at__isnull=True) | ~Q(status__in=CLAIMABLE))
                 .exclude(status=S.PAUSED, cancel_requested_at__isnull=True)[:limit])
 

@@ -11,7 +11,7 @@ import uuid
 
 from django.conf import settings
 from django.db import models
-from django.db.models import Q
+from django.db.models import F, Q
 
 from tasks.statuses import CLAIMABLE, HOLDS_SLOT, ErrorClass, NotificationStatus, OperationStatus, TaskStatus
 
@@ -157,6 +157,20 @@ class Task(models.Model):
             # notifications.kick_due and the sweeper: outbox rows waiting for delivery.
             models.Index(fields=["next_notification_at"], name="task_notify_due_idx",
                          condition=Q(notification_status__in=["pending", "retry", "claimed", "dispatched"])),
+            # liveness.waits_for_nothing: tasks waiting for their calls, held by nobody.
+            models.Index(fields=["id"], name="task_waiting_calls_idx",
+                         condition=Q(lease_owner="", next_run_at__isnull=True)
+                         & (Q(status=TaskStatus.WAITING_TOOL)
+                            | Q(status=TaskStatus.RUNNING, waiting_reason__in=["model", "tool"]))),
+            # liveness.stop_not_acted_on: active tasks asked to cancel or pause.
+            models.Index(fields=["id"], name="task_stop_requested_idx",
+                         condition=(Q(cancel_requested_at__isnull=False) | Q(pause_requested_at__isnull=False))
+                         & Q(status__in=["queued", "running", "waiting_tool", "waiting_input", "retry_wait",
+                                         "paused", "partial"])),
+            # liveness.notifications_untold: a newer event on a row the deliverer does not look at (rare).
+            models.Index(fields=["id"], name="task_untold_idx",
+                         condition=Q(event_version__gt=F("notified_version"), notification_status__in=["none",
+                                                                                                       "delivered"])),
         ]
 
     def __str__(self) -> str:
