@@ -412,7 +412,7 @@ def log_dir(name: str) -> Path:
 
 @contextmanager
 def qcluster(name: str, *, workers: int, **env: str) -> Iterator[processes.Process]:
-    """A real `manage.py qcluster` against this database (tests/processes.py), stopped with SIGTERM on exit.
+    """A real `manage.py worker` against this database (tests/processes.py), stopped with SIGTERM on exit.
 
     Afterwards the broker rows it left that name no task (a sweep it had taken when it stopped,
     the sweeper's gateway kick) are removed too, with the results it saved of its scheduled

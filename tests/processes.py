@@ -1,5 +1,5 @@
-"""Real processes for acceptance and end-to-end tests: qcluster workers and daphne,
-pointed at the test database of the running test session."""
+"""Real processes for acceptance and end-to-end tests: the worker command (a supervised django-q2
+cluster) and daphne, pointed at the test database of the running test session."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
@@ -101,8 +101,11 @@ class Process:
 
 
 @contextmanager
-def qcluster(log_dir: Path, *, workers: int = 2, name: str = "qcluster", **env: str) -> Iterator[Process]:
-    proc = Process(name, [sys.executable, "manage.py", "qcluster"],
+def qcluster(log_dir: Path, *, workers: int = 2, name: str = "qcluster", command: Sequence[str] = ("worker",),
+             **env: str) -> Iterator[Process]:
+    """The worker service as the Procfile runs it (`manage.py worker`: django-q2's cluster, supervised);
+    `command=("qcluster",)` runs django-q2's own command instead."""
+    proc = Process(name, [sys.executable, "manage.py", *command],
                    child_env(LONGHAUL_WORKERS=str(workers), **env), log_dir)
     try:
         yield proc
