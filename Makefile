@@ -8,6 +8,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_DATABASE_URL ?= $(if $(DATABASE_URL),$(DATABASE_URL),postgres://longhaul:longhaul@127.0.0.1:5432/longhaul)
 PYTEST := $(BIN)/pytest
+# The translations: the .po files are committed, the .mo files compiled from them (.gitignore).
+COMPILEMESSAGES := $(BIN)/python manage.py compilemessages --ignore='.*' --ignore=var --verbosity 0
 
 .PHONY: run test test-unit test-smoke test-e2e bench venv clean
 
@@ -22,6 +24,8 @@ $(STAMP): pyproject.toml
 
 run: venv
 	mkdir -p var
+	bin/ensure-gettext
+	$(COMPILEMESSAGES)
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py seed_demo
 	@echo ""
@@ -35,6 +39,8 @@ test: venv
 	bin/ensure-postgres
 	bin/ensure-redis
 	bin/ensure-chromium
+	bin/ensure-gettext
+	$(COMPILEMESSAGES)
 	LONGHAUL_DRILL_PG_RESTART=1 DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'not e2e' tests
 	DATABASE_URL='sqlite:///$(CURDIR)/var/smoke.sqlite3' $(PYTEST) -p no:playwright -m 'smoke and not e2e' tests
 	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -m e2e tests/e2e

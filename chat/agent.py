@@ -14,6 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from django.utils import translation
+from django.utils.translation import gettext as _
+
 from chat import tools
 from chat.models import Message, Run
 from tasks.gateway.untrusted import frame, neutralize_name
@@ -41,7 +44,14 @@ class Reply:
 
 
 def respond(run: Run) -> Reply:
-    """The assistant's reply for this run."""
+    """The assistant's reply for this run, in the language its thread's owner reads Longhaul in."""
+    from project.language import reply_language
+
+    with translation.override(reply_language(run.thread.owner_id)):
+        return _respond(run)
+
+
+def _respond(run: Run) -> Reply:
     if run.kind == Run.Kind.NOTIFICATION:
         return tell_about_task(run)
     from tasks.gateway.providers import model_settings
@@ -56,7 +66,6 @@ def respond(run: Run) -> Reply:
 
 # --- notifications -----------------------------------------------------------------
 
-
 def tell_about_task(run: Run) -> Reply:
     """Plain words for a task's event; the report itself when there is one."""
     task = Task.objects.get(pk=run.task_id, tenant_id=run.tenant_id)
@@ -66,22 +75,26 @@ def tell_about_task(run: Run) -> Reply:
     data = {"task": str(task.public_id), "task_status": task.status, "result_version": task.result_version,
             "notification": run.task_version}
     if task.status == TaskStatus.SUCCEEDED:
-        text = f"**{name}** is done.\n\n{report}" if report else f"**{name}** is done."
+        done = _("**%(name)s** is done.") % {"name": name}
+        text = f"{done}\n\n{report}" if report else done
     elif task.status == TaskStatus.PARTIAL:
-        scope = str(result.get("scope") or "it stopped early")
-        text = f"**{name}** stopped early ({scope}). Here is what it found:\n\n{report}"
+        scope = str(result.get("scope") or _("it stopped early"))
+        text = _("**%(name)s** stopped early (%(scope)s). Here is what it found:") % {"name": name, "scope": scope}
+        text = f"{text}\n\n{report}"
     elif task.status == TaskStatus.FAILED:
-        text = f"**{name}** failed: {task.error_message or task.error_class}."
+        text = _("**%(name)s** failed: %(error)s.") % {"name": name, "error": task.error_message or task.error_class}
     elif task.status == TaskStatus.CANCELLED:
-        text = f"**{name}** was cancelled. Everything it recorded is kept."
+        text = _("**%(name)s** was cancelled. Everything it recorded is kept.") % {"name": name}
     elif task.status == TaskStatus.WAITING_INPUT:
-        text = (f"**{name}** needs your answer: {task.question}\n\n"
-                f"Reply with “answer {name}: …”, or use the answer box in the task panel.")
+        text = (_("**%(name)s** needs your answer: %(question)s") % {"name": name, "question": task.question}
+                + "\n\n"
+                # The command stays English: it is what the assistant understands.
+                + _("Reply with “answer %(name)s: …”, or use the answer box in the task panel.") % {"name": name})
     elif task.tracking_degraded and task.status not in TERMINAL:
-        text = (f"**{name}**: the remote server has stopped answering. The task keeps trying and I'll tell you "
-                f"how it ends.")
+        text = _("**%(name)s**: the remote server has stopped answering. The task keeps trying and I'll tell you "
+                 "how it ends.") % {"name": name}
     else:
-        text = f"**{name}** is now {task.status.replace('_', ' ')}."
+        text = _("**%(name)s** is now %(status)s.") % {"name": name, "status": tools.status_words(task.status)}
     return Reply(text, data)
 
 
@@ -95,17 +108,18 @@ def _respond_offline(run: Run) -> Reply:
         return Reply(reply.text, reply.data)
     if match := RESEARCH.match(text):
         topic = match["topic"].strip().rstrip("?.! ")
-        reply = tools.start_background_task(run, kind="research", name=f"Research: {topic[:80]}",
-                                            input={"question": topic})
+        name = _("Research: %(topic)s") % {"topic": topic[:80]}
+        reply = tools.start_background_task(run, kind="research", name=name, input={"question": topic})
         if reply.data.get("error"):
             return Reply(reply.text, reply.data)
-        return Reply(f"I'm researching “{neutralize_name(topic)}” in the background. It can take a while; "
-                     f"I'll tell you here when it's done, and you can follow it in the task panel.", reply.data)
+        return Reply(_("I'm researching “%(topic)s” in the background. It can take a while; I'll tell you here when "
+                       "it's done, and you can follow it in the task panel.") % {"topic": neutralize_name(topic)},
+                     reply.data)
     if (match := TEST_TASK.match(text)) and tools.debug_kinds_enabled():
         steps = int(match["steps"] or 5)
-        reply = tools.start_background_task(run, kind="sleep", name=f"Test task ({steps} steps)",
-                                            input={"steps": steps, "step_seconds": 1})
-        return Reply(f"{reply.text} I'll tell you here when it ends.", reply.data)
+        name = _("Test task (%(steps)d steps)") % {"steps": steps}
+        reply = tools.start_background_task(run, kind="sleep", name=name, input={"steps": steps, "step_seconds": 1})
+        return Reply(_("%(started)s I'll tell you here when it ends.") % {"started": reply.text}, reply.data)
     if match := REMOTE.match(text):
         return _start_remote(run, match)
     if match := CANCEL.match(text):
@@ -115,37 +129,40 @@ def _respond_offline(run: Run) -> Reply:
         return Reply(_describe_tasks(run), {})
     hint = ""
     if servers := tools.remote_servers(run):
-        hint = f" Remote tools run too: “run <tool> on {servers[0]['name']} with {{…}}”."
-    return Reply("I run long jobs in the background and tell you here when they finish. Try “research how asyncio "
-                 "cancellation works”, “what is running?”, or “cancel the asyncio research”." + hint, {})
+        hint = " " + _("Remote tools run too: “run <tool> on %(server)s with {…}”.") % {"server": servers[0]["name"]}
+    # The examples stay English: they are what the assistant understands.
+    return Reply(_("I run long jobs in the background and tell you here when they finish. Try “research how asyncio "
+                   "cancellation works”, “what is running?”, or “cancel the asyncio research”.") + hint, {})
 
 
 def _start_remote(run: Run, match: re.Match[str]) -> Reply:
     try:
         arguments = json.loads(match["args"]) if match["args"] else {}
     except json.JSONDecodeError as exc:
-        return Reply(f"The arguments are not valid JSON ({exc.msg} at character {exc.pos}).", {"error": True})
+        return Reply(_("The arguments are not valid JSON (%(problem)s at character %(position)s).")
+                     % {"problem": exc.msg, "position": exc.pos}, {"error": True})
     if not isinstance(arguments, dict):
-        return Reply("The arguments must be a JSON object, like {\"topic\": \"sales\"}.", {"error": True})
+        return Reply(_("The arguments must be a JSON object, like {\"topic\": \"sales\"}."), {"error": True})
     reply = tools.start_remote_tool(run, server=match["server"], tool=match["tool"], arguments=arguments)
     if reply.data.get("error"):
         return Reply(reply.text, reply.data)
-    return Reply(f"{reply.text} I'll tell you here when it ends, or if it needs your answer.", reply.data)
+    text = _("%(started)s I'll tell you here when it ends, or if it needs your answer.") % {"started": reply.text}
+    return Reply(text, reply.data)
 
 
 def _describe_tasks(run: Run) -> str:
     views = [tools.project(t) for t in tools.thread_tasks(run.thread)]
     if not views:
-        return "Nothing has been started in this conversation yet."
+        return _("Nothing has been started in this conversation yet.")
     active = [v for v in views if v["status"] not in ("succeeded", "failed", "cancelled", "partial")]
     lines = []
     if active:
-        lines.append("Running now:")
-        lines += [f"- **{v['name']}**: {v['status'].replace('_', ' ')}" for v in active]
+        lines.append(_("Running now:"))
+        lines += [f"- **{v['name']}**: {tools.status_words(v['status'])}" for v in active]
     done = [v for v in views if v not in active]
     if done:
-        lines.append("Finished:")
-        lines += [f"- **{v['name']}**: {v['status']}" for v in done[:5]]
+        lines.append(_("Finished:"))
+        lines += [f"- **{v['name']}**: {tools.status_words(v['status'])}" for v in done[:5]]
     return "\n".join(lines)
 
 
@@ -239,11 +256,11 @@ async def _respond_with_model(run: Run) -> Reply:
                                               client=client, budget=RetryBudget(2))
             calls = answer.output.get("tool_calls") or []
             if not calls:
-                return Reply(str(answer.output.get("content") or "").strip() or "Done.", data)
+                return Reply(str(answer.output.get("content") or "").strip() or _("Done."), data)
             for call in calls:
                 reply = await sync_to_async(_call_tool)(run, call["name"], call.get("arguments") or {}, n)
                 n += 1
                 data.update(reply.data)
                 messages.append({"role": "assistant", "content": f"(called {call['name']})"})
                 messages.append({"role": "user", "content": frame(reply.text, origin=f"tool {call['name']}")})
-    return Reply("I did what I could; see the task panel for details.", data)
+    return Reply(_("I did what I could; see the task panel for details."), data)

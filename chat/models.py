@@ -7,6 +7,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils.translation import gettext
 
 
 class Thread(models.Model):
@@ -22,7 +23,7 @@ class Thread(models.Model):
         indexes = [models.Index(fields=["tenant", "owner", "-updated_at"], name="thread_owner_recent_idx")]
 
     def __str__(self) -> str:
-        return self.title or "Untitled thread"
+        return self.title or gettext("Untitled thread")
 
 
 class Run(models.Model):
@@ -91,3 +92,18 @@ class Message(models.Model):
             models.UniqueConstraint(fields=["run"], name="message_one_reply_per_run",
                                     condition=Q(role="assistant")),
         ]
+
+
+class LanguagePreference(models.Model):
+    """The language a person reads Longhaul in, kept on the server so it follows them to any browser."""
+
+    user = models.OneToOneField(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, primary_key=True,
+                                related_name="language_preference")
+    chosen = models.CharField(max_length=16, blank=True,
+                              help_text="Picked with the switch in the header; empty: follow the browser.")
+    # What the pages were last shown in (the browser's Accept-Language when nothing is chosen):
+    # the assistant's replies and notifications, written by workers, use it.
+    last_shown = models.CharField(max_length=16, blank=True)
+
+    def __str__(self) -> str:
+        return self.chosen or f"({self.last_shown or settings.LANGUAGE_CODE})"

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
+from django.utils.translation import gettext as _
+from django.utils.translation import gettext_lazy
 
 from chat.models import Run, Thread
 from tasks import actions
@@ -26,6 +28,26 @@ class ToolReply:
 
     text: str
     data: dict[str, Any]
+
+
+# A task's status in the assistant's words.
+STATUS_WORDS = {
+    TaskStatus.QUEUED: gettext_lazy("queued"),
+    TaskStatus.RUNNING: gettext_lazy("running"),
+    TaskStatus.WAITING_TOOL: gettext_lazy("waiting tool"),
+    TaskStatus.WAITING_INPUT: gettext_lazy("waiting input"),
+    TaskStatus.RETRY_WAIT: gettext_lazy("retry wait"),
+    TaskStatus.PAUSED: gettext_lazy("paused"),
+    TaskStatus.PARTIAL: gettext_lazy("partial"),
+    TaskStatus.SUCCEEDED: gettext_lazy("succeeded"),
+    TaskStatus.FAILED: gettext_lazy("failed"),
+    TaskStatus.CANCELLED: gettext_lazy("cancelled"),
+}
+
+
+def status_words(status: str) -> str:
+    """A status as the assistant says it ("waiting input", "等待回答")."""
+    return str(STATUS_WORDS.get(status, status.replace("_", " ")))
 
 
 def thread_tasks(thread: Thread) -> list[Task]:
@@ -57,8 +79,8 @@ def find_task(thread: Thread, name: str, *, active_only: bool) -> Task | str:
     """The one task a name refers to, or a message listing the candidates by name."""
     tasks = [t for t in thread_tasks(thread) if not active_only or t.status not in TERMINAL]
     if not tasks:
-        return "There are no active background tasks in this conversation." if active_only else \
-            "There are no background tasks in this conversation."
+        return _("There are no active background tasks in this conversation.") if active_only else \
+            _("There are no background tasks in this conversation.")
     wanted = name.strip().lower()
     exact = [t for t in tasks if t.name.lower() == wanted]
     if len(exact) == 1:
@@ -67,10 +89,13 @@ def find_task(thread: Thread, name: str, *, active_only: bool) -> Task | str:
     matches = [t for t in tasks if words and all(w in t.name.lower() for w in words)] if words else []
     if len(matches) == 1:
         return matches[0]
-    names = ", ".join(f"“{neutralize_name(t.name)}”" for t in (matches or tasks)[:10])
+    # Translators: ", " joins the quoted names of a list of tasks.
+    names = _(", ").join(_("“%(name)s”") % {"name": neutralize_name(t.name)} for t in (matches or tasks)[:10])
     if matches:
-        return f"More than one task matches “{neutralize_name(name)}”: {names}. Which one do you mean?"
-    return f"No task matches “{neutralize_name(name)}”. The tasks here are: {names}."
+        return _("More than one task matches “%(name)s”: %(names)s. Which one do you mean?") % {
+            "name": neutralize_name(name), "names": names}
+    return _("No task matches “%(name)s”. The tasks here are: %(names)s.") % {"name": neutralize_name(name),
+                                                                               "names": names}
 
 
 def start_background_task(run: Run, *, kind: str, name: str, input: dict[str, Any], n: int = 0) -> ToolReply:
@@ -83,15 +108,17 @@ def start_background_task(run: Run, *, kind: str, name: str, input: dict[str, An
                                           idempotency_key=f"run:{run.public_id}:{n}"),
         )
     except (InvalidInput, QuotaExceeded, Conflict) as exc:
-        return ToolReply(f"Could not start the task: {exc}", {"error": True})
-    return ToolReply(f"Started “{neutralize_name(task.name)}” in the background ({task.status}).",
+        return ToolReply(_("Could not start the task: %(error)s") % {"error": exc}, {"error": True})
+    return ToolReply(_("Started “%(name)s” in the background (%(status)s).")
+                     % {"name": neutralize_name(task.name), "status": status_words(task.status)},
                      {"started": str(task.public_id), "created": created})
 
 
 def start_remote_tool(run: Run, *, server: str, tool: str, arguments: dict[str, Any], name: str = "",
                       n: int = 0) -> ToolReply:
     """Run a tool of a configured MCP server as a background task; the thread is told how it ends."""
-    return start_background_task(run, kind="mcp", name=name or f"{tool} on {server}",
+    name = name or _("%(tool)s on %(server)s") % {"tool": tool, "server": server}
+    return start_background_task(run, kind="mcp", name=name,
                                  input={"server": server, "tool": tool, "arguments": arguments}, n=n)
 
 
@@ -112,8 +139,11 @@ def cancel_background_task(run: Run, *, name: str) -> ToolReply:
     if isinstance(found, str):
         return ToolReply(found, {"ambiguous": True})
     task = actions.request_cancel(found, user=run.thread.owner, reason="asked in chat")
-    state = "cancelled" if task.status == TaskStatus.CANCELLED else "being cancelled"
-    return ToolReply(f"“{neutralize_name(task.name)}” is {state}.", {"cancelled": str(task.public_id)})
+    if task.status == TaskStatus.CANCELLED:
+        text = _("“%(name)s” is cancelled.") % {"name": neutralize_name(task.name)}
+    else:
+        text = _("“%(name)s” is being cancelled.") % {"name": neutralize_name(task.name)}
+    return ToolReply(text, {"cancelled": str(task.public_id)})
 
 
 def answer_background_task(run: Run, *, name: str, answer: str) -> ToolReply:
@@ -129,7 +159,7 @@ def answer_background_task(run: Run, *, name: str, answer: str) -> ToolReply:
         task = actions.answer(found, user=run.thread.owner, text=answer)
     except (Conflict, InvalidInput) as exc:
         return ToolReply(str(exc), {"error": True})
-    return ToolReply(f"Passed your answer to “{neutralize_name(task.name)}”; it goes on.",
+    return ToolReply(_("Passed your answer to “%(name)s”; it goes on.") % {"name": neutralize_name(task.name)},
                      {"answered": str(task.public_id)})
 
 

@@ -57,9 +57,13 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
+    # The browser's language (Accept-Language, or the switch's cookie) ...
+    "django.middleware.locale.LocaleMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    # ... unless the signed-in user chose one with the switch: then theirs, in every browser.
+    "project.language.UserLanguageMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
     "tasks.tenancy.TenantMiddleware",
@@ -78,6 +82,7 @@ TEMPLATES = [
         "OPTIONS": {
             "context_processors": [
                 "django.template.context_processors.request",
+                "django.template.context_processors.i18n",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
             ],
@@ -147,7 +152,10 @@ STATIC_ROOT = VAR_DIR / "static"
 WHITENOISE_USE_FINDERS = True  # serve straight from static/ without collectstatic in dev
 WHITENOISE_AUTOREFRESH = DEBUG
 
-LANGUAGE_CODE = "en-us"
+# The pages speak English and Simplified Chinese (locale/; `make run` and `make test` compile the catalogs).
+LANGUAGE_CODE = "en"
+LANGUAGES = [("en", "English"), ("zh-hans", "简体中文")]
+LOCALE_PATHS = [BASE_DIR / "locale"]
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
@@ -261,6 +269,7 @@ LONGHAUL_MCP_POLL_FLOOR_MS = envint("LONGHAUL_MCP_POLL_FLOOR_MS", 500, minimum=1
 LONGHAUL_MCP_POLL_CEILING_MS = envint("LONGHAUL_MCP_POLL_CEILING_MS", 30_000, minimum=10)
 LONGHAUL_MCP_BACKOFF_CAP_SECONDS = envfloat("LONGHAUL_MCP_BACKOFF_CAP_SECONDS", 300.0, minimum=0.01)
 LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = envfloat("LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS", 60.0, minimum=0.0)
+LONGHAUL_MCP_CONCURRENCY = envint("LONGHAUL_MCP_CONCURRENCY", 8, minimum=1)  # calls in flight per MCP server
 LONGHAUL_MCP_RESULT_PREVIEW_CHARS = envint("LONGHAUL_MCP_RESULT_PREVIEW_CHARS", 2_000, minimum=100)
 LONGHAUL_MCP_RESULT_MAX_CHARS = envint("LONGHAUL_MCP_RESULT_MAX_CHARS", 200_000, minimum=1_000)
 

@@ -1,11 +1,12 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import path
+from django.views.i18n import JavaScriptCatalog
 from drf_spectacular.views import SpectacularAPIView
 
 from chat import api as chat_api
 from chat import views as chat_views
-from project import views
+from project import language, views
 from project.metrics_view import metrics
 from project.api_me import MeView
 from tasks import api
@@ -20,6 +21,8 @@ urlpatterns = [
     path("accounts/login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("admin/", admin.site.urls),
+    path("accounts/language/", language.set_language, name="set_language"),
+    path("jsi18n/", JavaScriptCatalog.as_view(), name="javascript-catalog"),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("api/me", MeView.as_view(), name="me"),
     path("api/tasks", api.TaskListCreate.as_view(), name="task-list"),

@@ -2,6 +2,7 @@
 // panel together, and owns the page-level things (drawers, the heading, the address bar).
 
 import { Composer } from "./composer.js";
+import { gettext } from "./i18n.js";
 import { TaskPanel } from "./task_panel.js";
 import { ThreadList } from "./thread_list.js";
 import { ThreadView } from "./thread_view.js";
@@ -16,9 +17,14 @@ const input = document.getElementById("composer-input");
 const narrowPanel = window.matchMedia("(max-width: 1099.98px)");
 
 // --- drawers ---------------------------------------------------------------------------
+//
+// One drawer at a time: on a phone the thread list and the panel both slide over the
+// conversation, so opening one closes the other (on wide screens the list is a column and
+// its drawer state means nothing).
 
 /** Open or close the task panel, keeping aria-expanded and focus in step. */
 function setPanelOpen(open, { restoreFocus = true, focusPanel = true } = {}) {
+  if (open && app.hasAttribute("data-threads-open")) setThreadsOpen(false, { focusList: false });
   panel.hidden = !open;
   panelToggle.setAttribute("aria-expanded", String(open));
   app.toggleAttribute("data-panel-open", open);
@@ -30,10 +36,11 @@ function setPanelOpen(open, { restoreFocus = true, focusPanel = true } = {}) {
 }
 
 /** Open or close the thread list (a drawer only on small screens). */
-function setThreadsOpen(open) {
+function setThreadsOpen(open, { focusList = true } = {}) {
+  if (open && !panel.hidden) setPanelOpen(false, { restoreFocus: false });
   threadsToggle.setAttribute("aria-expanded", String(open));
   app.toggleAttribute("data-threads-open", open);
-  if (open) document.getElementById("new-thread").focus();
+  if (open && focusList) document.getElementById("new-thread").focus();
 }
 
 panelToggle.addEventListener("click", () => setPanelOpen(panel.hidden));
@@ -115,7 +122,7 @@ const conversation = new ThreadView({
       app.dataset.threadId = thread.id;
       history.pushState({ thread: thread.id }, "", `/t/${thread.id}/`);
       threads.add({ id: thread.id, title: thread.title });
-      showTitle(thread.title || "Untitled thread");
+      showTitle(thread.title || gettext("Untitled thread"));
       conversation.adoptThread(thread.id);
       tasks.setThread(thread.id);
     },
@@ -145,6 +152,12 @@ document.getElementById("new-thread").addEventListener("click", () => {
 
 // Back from a thread the page itself created: show the page for that address.
 window.addEventListener("popstate", () => location.reload());
+
+// The language switch comes back to this address, which may have changed since the page loaded.
+const languageSwitch = document.querySelector(".topbar .language-switch");
+languageSwitch?.addEventListener("submit", () => {
+  languageSwitch.querySelector('input[name="next"]').value = location.pathname;
+});
 
 // --- start -----------------------------------------------------------------------------
 

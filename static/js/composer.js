@@ -2,8 +2,10 @@
 // answering (a run is active in the thread) sending waits, and the reason is shown.
 
 import { newIdempotencyKey } from "./api.js";
+import { gettext, interpolate } from "./i18n.js";
 
-const BUSY_REASON = "Longhaul is answering in this thread. You can send your next message when it has finished.";
+const BUSY_REASON = gettext(
+  "Longhaul is answering in this thread. You can send your next message when it has finished.");
 
 export class Composer {
   /** `send(text, key)` posts the message and rejects with an ApiError if it could not. */
@@ -62,7 +64,7 @@ export class Composer {
     this.form.toggleAttribute("data-busy", blocked);
     let text = "";
     if (this.error) text = this.error;
-    else if (this.sending) text = "Sending…";
+    else if (this.sending) text = gettext("Sending…");
     else if (this.busy) text = BUSY_REASON;
     this.status.textContent = text;
     this.status.hidden = !text;
@@ -88,7 +90,8 @@ export class Composer {
         this.fit();
       }
       this.lastFailed = { text, key };
-      this.error = error.code === "thread_busy" ? "" : `Not sent: ${error.message}`;
+      this.error = error.code === "thread_busy" ? ""
+        : interpolate(gettext("Not sent: %(error)s"), { error: error.message });
     } finally {
       this.sending = false;
       this.render();

@@ -12,6 +12,8 @@
 // source list, and each [n] in the text a link to its entry within the message.
 // Links go only to http(s) (new tab, rel="noopener noreferrer") or to those anchors.
 
+import { gettext, interpolate } from "./i18n.js";
+
 const MAX_DEPTH = 8; // blockquotes and lists nest at most this deep; deeper is plain text
 
 const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)[^`]*$/;
@@ -81,7 +83,7 @@ function renderInline(text, ctx, { links = true } = {}) {
     });
     s = s.replace(/\[(\d{1,4})\](?!\()/g, (whole, n) => {
       if (!ctx.sources.has(n)) return whole;
-      return park(`<a class="cite" href="#${ctx.idPrefix}-src-${n}" aria-label="source ${n}">[${n}]</a>`);
+      return park(`<a class="cite" href="#${ctx.idPrefix}-src-${n}">[${n}]</a>`);
     });
   }
 
@@ -241,9 +243,11 @@ function copyAllowedAttributes(from, to) {
     const href = from.getAttribute("href") || "";
     if (href.startsWith("#") && SAFE_ID.test(href.slice(1))) {
       to.setAttribute("href", href);
-      if (from.getAttribute("class") === "cite") to.className = "cite";
-      const label = from.getAttribute("aria-label");
-      if (label && /^source \d+$/.test(label)) to.setAttribute("aria-label", label);
+      const cited = from.getAttribute("class") === "cite" && href.match(/-src-(\d{1,4})$/);
+      if (cited) {
+        to.className = "cite";
+        to.setAttribute("aria-label", interpolate(gettext("source %(n)s"), { n: cited[1] }));
+      }
     } else if (safeHttpUrl(href)) {
       to.setAttribute("href", safeHttpUrl(href));
       to.setAttribute("target", "_blank");

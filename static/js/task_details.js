@@ -7,47 +7,76 @@
 
 import { api } from "./api.js";
 import { h } from "./dom.js";
-import { clockTime, duration } from "./format.js";
+import { clockTime, duration, number } from "./format.js";
+import { gettext, interpolate, ngettext } from "./i18n.js";
 import { renderMarkdown } from "./markdown.js";
 import { openTaskStream } from "./task_stream.js";
 
+// Why a task failed or a source was skipped (tasks.statuses.ErrorClass), in words.
+const ERROR_WORDS = {
+  transient: gettext("transient"),
+  rate_limited: gettext("rate limited"),
+  timeout: gettext("timeout"),
+  invalid_input: gettext("invalid input"),
+  permanent: gettext("permanent"),
+  budget_exhausted: gettext("budget exhausted"),
+  cancelled: gettext("cancelled"),
+  poison: gettext("poison"),
+  queue_timeout: gettext("queue timeout"),
+  internal: gettext("internal"),
+  error: gettext("error"),
+};
+
+function errorWords(errorClass) {
+  const key = errorClass || "error";
+  return ERROR_WORDS[key] || key.replace(/_/g, " ");
+}
+
 const EVENT_WORDS = {
-  queued: (d) => (d.reason === "requeued" ? "Queued again" : "Queued"),
-  admitted: () => "Started",
-  planning: () => "Planning sub-questions",
-  plan_ready: (d) => `Planned ${d.subquestions} sub-question${d.subquestions === 1 ? "" : "s"}`,
-  searching: (d) => `${d.rephrased ? "Searching again" : "Searching"}: “${d.query}”`,
-  source_read: (d) => `Read source [${d.n}] ${d.title}`,
-  source_skipped: (d) => `Skipped a source${d.error_class ? ` (${d.error_class.replace(/_/g, " ")})` : ""}`,
-  evidence_added: (d) => `Found ${d.count} quote${d.count === 1 ? "" : "s"} for sub-question ${d.subquestion}`,
-  drafting: (d) => `Drafting the report from ${d.evidence} quotes`,
-  result_ready: (d) => `Report ready, citing ${d.sources} source${d.sources === 1 ? "" : "s"}`,
-  step_done: (d) => `Step ${d.step} of ${d.of} done`,
-  waiting_tool: () => "Waiting for searches and reads",
-  tool_results_ready: () => "Results in",
-  retry_scheduled: (d) => `Will retry after an error (${(d.error_class || "error").replace(/_/g, " ")})`,
-  retrying: () => "Retrying",
-  recovered: () => "Picked up again after a worker stopped",
-  input_required: (d) => `Asked: ${d.question}`,
-  input_received: () => "Got your answer",
-  pause_requested: () => "Pause requested",
-  paused: () => "Paused",
-  cancel_requested: () => "Cancel requested",
-  cancelled: () => "Cancelled",
-  partial: (d) => `Stopped early${d.scope ? `: ${d.scope}` : ""}`,
-  succeeded: () => "Finished",
-  failed: (d) => `Failed: ${(d.error_class || "error").replace(/_/g, " ")}`,
-  deferred: () => "Waiting for a free slot",
-  stalled: () => "No progress for a while",
-  lease_released: () => "Handed back by its worker",
-  remote_started: (d) => `Started ${d.tool} on ${d.server}`,
+  queued: (d) => (d.reason === "requeued" ? gettext("Queued again") : gettext("Queued")),
+  admitted: () => gettext("Started"),
+  planning: () => gettext("Planning sub-questions"),
+  plan_ready: (d) => interpolate(
+    ngettext("Planned %(count)s sub-question", "Planned %(count)s sub-questions", d.subquestions),
+    { count: d.subquestions }),
+  searching: (d) => interpolate(
+    d.rephrased ? gettext("Searching again: “%(query)s”") : gettext("Searching: “%(query)s”"), d),
+  source_read: (d) => interpolate(gettext("Read source [%(n)s] %(title)s"), d),
+  source_skipped: (d) => (d.error_class
+    ? interpolate(gettext("Skipped a source (%(reason)s)"), { reason: errorWords(d.error_class) })
+    : gettext("Skipped a source")),
+  evidence_added: (d) => interpolate(ngettext("Found %(count)s quote for sub-question %(subquestion)s",
+    "Found %(count)s quotes for sub-question %(subquestion)s", d.count), d),
+  drafting: (d) => interpolate(gettext("Drafting the report from %(evidence)s quotes"), d),
+  result_ready: (d) => interpolate(
+    ngettext("Report ready, citing %(sources)s source", "Report ready, citing %(sources)s sources", d.sources), d),
+  step_done: (d) => interpolate(gettext("Step %(step)s of %(of)s done"), d),
+  waiting_tool: () => gettext("Waiting for searches and reads"),
+  tool_results_ready: () => gettext("Results in"),
+  retry_scheduled: (d) => interpolate(
+    gettext("Will retry after an error (%(reason)s)"), { reason: errorWords(d.error_class) }),
+  retrying: () => gettext("Retrying"),
+  recovered: () => gettext("Picked up again after a worker stopped"),
+  input_required: (d) => interpolate(gettext("Asked: %(question)s"), d),
+  input_received: () => gettext("Got your answer"),
+  pause_requested: () => gettext("Pause requested"),
+  paused: () => gettext("Paused"),
+  cancel_requested: () => gettext("Cancel requested"),
+  cancelled: () => gettext("Cancelled"),
+  partial: (d) => (d.scope ? interpolate(gettext("Stopped early: %(scope)s"), d) : gettext("Stopped early")),
+  succeeded: () => gettext("Finished"),
+  failed: (d) => interpolate(gettext("Failed: %(reason)s"), { reason: errorWords(d.error_class) }),
+  deferred: () => gettext("Waiting for a free slot"),
+  stalled: () => gettext("No progress for a while"),
+  lease_released: () => gettext("Handed back by its worker"),
+  remote_started: (d) => interpolate(gettext("Started %(tool)s on %(server)s"), d),
   progress: (d) => d.message,
-  answer_sent: () => "Sent your answer to the remote tool",
-  tracking_degraded: () => "The remote server stopped answering; still trying",
-  tracking_restored: () => "The remote server answers again",
-  cancelling_remote: () => "Asking the remote server to stop",
-  remote_cancel_sent: () => "The remote server was asked to stop",
-  remote_cancel_unconfirmed: () => "The remote server did not confirm the stop",
+  answer_sent: () => gettext("Sent your answer to the remote tool"),
+  tracking_degraded: () => gettext("The remote server stopped answering; still trying"),
+  tracking_restored: () => gettext("The remote server answers again"),
+  cancelling_remote: () => gettext("Asking the remote server to stop"),
+  remote_cancel_sent: () => gettext("The remote server was asked to stop"),
+  remote_cancel_unconfirmed: () => gettext("The remote server did not confirm the stop"),
 };
 
 /** The words for one event of the timeline. */
@@ -57,8 +86,9 @@ export function describeEvent(event) {
 }
 
 const NOTIFICATION_WORDS = {
-  retry: "Posting the update to this thread failed; Longhaul is retrying.",
-  dead_letter: "The update could not be posted to this thread. An admin can send it again from the admin pages.",
+  retry: gettext("Posting the update to this thread failed; Longhaul is retrying."),
+  dead_letter: gettext(
+    "The update could not be posted to this thread. An admin can send it again from the admin pages."),
 };
 
 function fact(label, value) {
@@ -67,7 +97,8 @@ function fact(label, value) {
 
 /** "12 of 200 allowed": what a budget allows is the task's limit, not a goal. */
 function used(count, limit) {
-  return limit ? `${count.toLocaleString()} of ${limit.toLocaleString()} allowed` : count.toLocaleString();
+  if (!limit) return number(count);
+  return interpolate(gettext("%(count)s of %(limit)s allowed"), { count: number(count), limit: number(limit) });
 }
 
 const DETAIL_REFRESH_MS = 2000; // at most this often while events stream in
@@ -103,12 +134,12 @@ export class TaskDetails {
     this.resultBox = h("div", { class: "detail-result" });
     this.liveLabel = h("span", { class: "live-label", role: "status" });
     this.timeline = h("ol", { class: "timeline", "aria-labelledby": `timeline-${id}` });
-    this.timelineEmpty = h("p", { class: "timeline-empty" }, "Loading the timeline…");
+    this.timelineEmpty = h("p", { class: "timeline-empty" }, gettext("Loading the timeline…"));
     this.element.replaceChildren(
       this.notes,
       this.facts,
       this.resultBox,
-      h("div", { class: "timeline-head" }, h("h4", { id: `timeline-${id}` }, "Timeline"), this.liveLabel),
+      h("div", { class: "timeline-head" }, h("h4", { id: `timeline-${id}` }, gettext("Timeline")), this.liveLabel),
       this.timelineEmpty,
       this.timeline,
     );
@@ -155,7 +186,9 @@ export class TaskDetails {
 
   setLive(status) {
     this.streamStatus = status;
-    const words = { live: "Live", reconnecting: "Reconnecting…", polling: "Checking every few seconds" };
+    const words = {
+      live: gettext("Live"), reconnecting: gettext("Reconnecting…"), polling: gettext("Checking every few seconds"),
+    };
     this.liveLabel.textContent = words[status] || "";
     this.liveLabel.dataset.state = status;
   }
@@ -213,7 +246,7 @@ export class TaskDetails {
     this.renderFacts();
     this.renderResult();
     if (!this.events.size && (this.ended || this.task.is_terminal) && !this.stream) {
-      this.timelineEmpty.textContent = "No events recorded.";
+      this.timelineEmpty.textContent = gettext("No events recorded.");
     }
   }
 
@@ -226,14 +259,14 @@ export class TaskDetails {
     this.notesKey = key;
     const notes = [];
     if (task.cancel_requested && !task.is_terminal) {
-      notes.push(h("p", { class: "note" }, "Cancelling: the task stops at its next safe point."));
+      notes.push(h("p", { class: "note" }, gettext("Cancelling: the task stops at its next safe point.")));
     }
     if (task.status === "paused") {
-      notes.push(h("p", { class: "note" }, "Paused with everything it has done so far. Resume to go on."));
+      notes.push(h("p", { class: "note" }, gettext("Paused with everything it has done so far. Resume to go on.")));
     }
     if (task.status === "failed") {
       notes.push(h("div", { class: "note error" },
-        h("strong", {}, `Failed: ${(task.error_class || "error").replace(/_/g, " ")}`),
+        h("strong", {}, interpolate(gettext("Failed: %(reason)s"), { reason: errorWords(task.error_class) })),
         task.error_message ? h("p", {}, task.error_message) : null));
     }
     if (task.notification && NOTIFICATION_WORDS[task.notification]) {
@@ -242,7 +275,10 @@ export class TaskDetails {
     }
     const answeredThis = this.answered && this.answered.question === task.question;
     if (task.status === "waiting_input" && !answeredThis) notes.push(this.answerForm());
-    if (this.answered) notes.push(h("p", { class: "note", role: "status" }, `You answered: ${this.answered.answer}`));
+    if (this.answered) {
+      const said = interpolate(gettext("You answered: %(answer)s"), this.answered);
+      notes.push(h("p", { class: "note", role: "status" }, said));
+    }
     this.notes.replaceChildren(...notes);
   }
 
@@ -252,16 +288,17 @@ export class TaskDetails {
     input.value = this.answerDraft;
     input.addEventListener("input", () => { this.answerDraft = input.value; });
     const error = h("p", { class: "field-error", role: "alert", hidden: true });
-    const button = h("button", { type: "submit", class: "button small primary" }, "Send answer");
+    const button = h("button", { type: "submit", class: "button small primary" }, gettext("Send answer"));
     const form = h("form", { class: "answer-form note question" },
-      h("label", { for: id }, h("strong", {}, "The task asks: "), this.task.question || "(no question text)"),
+      h("label", { for: id },
+        h("strong", {}, gettext("The task asks:")), " ", this.task.question || gettext("(no question text)")),
       input, error, h("div", { class: "form-actions" }, button));
     form.addEventListener("submit", async (event) => {
       event.preventDefault();
       const answer = input.value.trim();
       if (!answer) return;
       button.disabled = true;
-      button.textContent = "Sending…";
+      button.textContent = gettext("Sending…");
       try {
         await api(`/api/tasks/${this.task.id}/answer`, { method: "POST", body: { answer } });
         this.answerDraft = "";
@@ -272,7 +309,7 @@ export class TaskDetails {
         error.textContent = failure.message;
         error.hidden = false;
         button.disabled = false;
-        button.textContent = "Send answer";
+        button.textContent = gettext("Send answer");
       }
     });
     return form;
@@ -288,14 +325,17 @@ export class TaskDetails {
     const sources = this.sourceList();
     const evidence = this.evidenceCount();
     const rows = [
-      fact(task.is_terminal ? "Took" : "Running for", duration(Math.max(0, end - Date.parse(started)))),
-      fact("Steps taken", detail.current_step !== undefined ? used(detail.current_step, budget.max_steps) : null),
-      fact("Retries", detail.retries ? used(detail.retries, budget.max_retries) : null),
-      fact("Sources read", task.kind === "research" || sources.length ? String(sources.length) : null),
-      fact("Evidence", evidence !== null ? `${evidence} quote${evidence === 1 ? "" : "s"}` : null),
-      fact("Model calls", usage ? used(usage.model_calls || 0, budget.max_model_calls) : null),
-      fact("Tool calls", usage ? used(usage.tool_calls || 0, budget.max_tool_calls) : null),
-      fact("Tokens", usage ? used(usage.tokens || 0, budget.max_tokens) : null),
+      fact(task.is_terminal ? gettext("Took") : gettext("Running for"),
+        duration(Math.max(0, end - Date.parse(started)))),
+      fact(gettext("Steps taken"),
+        detail.current_step !== undefined ? used(detail.current_step, budget.max_steps) : null),
+      fact(gettext("Retries"), detail.retries ? used(detail.retries, budget.max_retries) : null),
+      fact(gettext("Sources read"), task.kind === "research" || sources.length ? number(sources.length) : null),
+      fact(gettext("Evidence"), evidence !== null
+        ? interpolate(ngettext("%(count)s quote", "%(count)s quotes", evidence), { count: number(evidence) }) : null),
+      fact(gettext("Model calls"), usage ? used(usage.model_calls || 0, budget.max_model_calls) : null),
+      fact(gettext("Tool calls"), usage ? used(usage.tool_calls || 0, budget.max_tool_calls) : null),
+      fact(gettext("Tokens"), usage ? used(usage.tokens || 0, budget.max_tokens) : null),
     ];
     this.facts.replaceChildren(...rows.filter(Boolean).flat());
   }
@@ -329,10 +369,10 @@ export class TaskDetails {
     this.resultKey = key;
     const parts = [];
     if (result && result.scope && result.scope !== "complete") {
-      parts.push(h("p", { class: "note" }, `Covers ${result.scope}.`));
+      parts.push(h("p", { class: "note" }, interpolate(gettext("Covers %(scope)s."), result)));
     }
     if (sources.length) {
-      parts.push(h("h4", {}, "Sources"),
+      parts.push(h("h4", {}, gettext("Sources")),
         h("ol", { class: "source-list" }, sources.map((s) => h("li", { value: s.n },
           h("span", { class: "source-title" }, s.title || s.url),
           h("span", { class: "source-url" }, s.url)))));
@@ -342,9 +382,9 @@ export class TaskDetails {
       if (message) {
         const show = () => this.callbacks.onShowReport(message);
         actions.push(h("button", { type: "button", class: "button small", onclick: show },
-          "Show the report in the thread"));
+          gettext("Show the report in the thread")));
       }
-      const report = h("details", { class: "report" }, h("summary", {}, "Read the report here"));
+      const report = h("details", { class: "report" }, h("summary", {}, gettext("Read the report here")));
       report.addEventListener("toggle", () => {
         if (report.open && report.children.length === 1) {
           report.append(h("div", { class: "prose" }, renderMarkdown(result.report, { idPrefix: `r-${this.task.id}` })));
@@ -352,10 +392,10 @@ export class TaskDetails {
       });
       parts.push(h("div", { class: "result-actions" }, actions), report);
     } else if (result && (result.summary || result.text)) {
-      parts.push(h("h4", {}, result.is_error ? "What the tool reported" : "Result"),
+      parts.push(h("h4", {}, result.is_error ? gettext("What the tool reported") : gettext("Result")),
         h("p", { class: "result-summary" }, result.summary));
       if (typeof result.text === "string" && result.text.length > result.summary.length) {
-        const whole = h("details", { class: "report" }, h("summary", {}, "Show the whole result"));
+        const whole = h("details", { class: "report" }, h("summary", {}, gettext("Show the whole result")));
         whole.addEventListener("toggle", () => {
           if (whole.open && whole.children.length === 1) whole.append(h("pre", { class: "result-text" }, result.text));
         });
@@ -363,7 +403,8 @@ export class TaskDetails {
       }
       if (result.truncated) {
         parts.push(h("p", { class: "note" },
-          `The result was cut: ${result.text.length.toLocaleString()} of ${result.chars.toLocaleString()} characters are kept.`));
+          interpolate(gettext("The result was cut: %(kept)s of %(chars)s characters are kept."),
+            { kept: number(result.text.length), chars: number(result.chars) })));
       }
     }
     this.resultBox.replaceChildren(...parts);

@@ -9,44 +9,47 @@
 
 import { api } from "./api.js";
 import { fromTemplate } from "./dom.js";
-import { fullTime, timeSince } from "./format.js";
+import { fullTime, timeAgo } from "./format.js";
+import { gettext, interpolate } from "./i18n.js";
 import { TaskDetails } from "./task_details.js";
 
 const STATUS_WORDS = {
-  queued: "Queued",
-  running: "Running",
-  waiting_tool: "Running",
-  waiting_input: "Needs your answer",
-  retry_wait: "Retrying soon",
-  paused: "Paused",
-  partial: "Stopped early",
-  succeeded: "Done",
-  failed: "Failed",
-  cancelled: "Cancelled",
+  queued: gettext("Queued"),
+  running: gettext("Running"),
+  waiting_tool: gettext("Running"),
+  waiting_input: gettext("Needs your answer"),
+  retry_wait: gettext("Retrying soon"),
+  paused: gettext("Paused"),
+  partial: gettext("Stopped early"),
+  succeeded: gettext("Done"),
+  failed: gettext("Failed"),
+  cancelled: gettext("Cancelled"),
 };
 
+const ON_REMOTE_SERVER = gettext("Running on the remote server");
+const STOPPING_REMOTE = gettext("Stopping on the remote server");
 const PHASE_WORDS = {
-  admitted: "Starting",
-  planning: "Planning",
-  searching: "Searching",
-  waiting_tool: "Searching and reading",
-  source_read: "Reading sources",
-  evidence_added: "Collecting evidence",
-  drafting: "Drafting the report",
-  retry_scheduled: "Waiting to retry",
-  input_required: "Waiting for you",
-  step_done: "Working",
-  recovered: "Resuming",
-  paused: "Paused",
-  cancel_requested: "Stopping",
-  remote_started: "Running on the remote server",
-  progress: "Running on the remote server",
-  answer_sent: "Running on the remote server",
-  cancelling_remote: "Stopping on the remote server",
-  remote_cancel_sent: "Stopping on the remote server",
+  admitted: gettext("Starting"),
+  planning: gettext("Planning"),
+  searching: gettext("Searching"),
+  waiting_tool: gettext("Searching and reading"),
+  source_read: gettext("Reading sources"),
+  evidence_added: gettext("Collecting evidence"),
+  drafting: gettext("Drafting the report"),
+  retry_scheduled: gettext("Waiting to retry"),
+  input_required: gettext("Waiting for you"),
+  step_done: gettext("Working"),
+  recovered: gettext("Resuming"),
+  paused: gettext("Paused"),
+  cancel_requested: gettext("Stopping"),
+  remote_started: ON_REMOTE_SERVER,
+  progress: ON_REMOTE_SERVER,
+  answer_sent: ON_REMOTE_SERVER,
+  cancelling_remote: STOPPING_REMOTE,
+  remote_cancel_sent: STOPPING_REMOTE,
 };
 
-const KIND_WORDS = { research: "Research", sleep: "Test task", mcp: "Remote tool" };
+const KIND_WORDS = { research: gettext("Research"), sleep: gettext("Test task"), mcp: gettext("Remote tool") };
 
 // Statuses the assistant tells the thread about (DESIGN §7): the page then expects a message.
 const NEWSWORTHY = new Set(["succeeded", "failed", "cancelled", "partial", "waiting_input"]);
@@ -56,11 +59,17 @@ const MAX_ERROR_BACKOFF_MS = 60_000;
 
 function phaseWords(task) {
   if (task.is_terminal) return "";
-  if (task.status === "queued") return "Waiting for a slot";
-  if (task.status === "waiting_input") return "Question for you";
+  if (task.status === "queued") return gettext("Waiting for a slot");
+  if (task.status === "waiting_input") return gettext("Question for you");
   if (task.status === "paused" || task.status === "partial") return "";
-  if (task.tracking_degraded) return "Remote server not answering; still trying";
-  return PHASE_WORDS[task.phase] || "Working";
+  if (task.tracking_degraded) return gettext("Remote server not answering; still trying");
+  return PHASE_WORDS[task.phase] || gettext("Working");
+}
+
+/** A server's or the network's message as a sentence, ready for more words after it. */
+function sentence(message) {
+  const text = message.replace(/^./, (c) => c.toUpperCase());
+  return /[.!?。！？]$/.test(text) ? text : `${text}.`;
 }
 
 export class TaskPanel {
@@ -106,7 +115,7 @@ export class TaskPanel {
         this.refresh({ force: true });
       }
     });
-    // "Started 3 min ago" keeps counting between polls.
+    // "Started 3 minutes ago" keeps counting between polls.
     setInterval(() => this.renderTimes(), 15_000);
   }
 
@@ -114,7 +123,7 @@ export class TaskPanel {
   setThread(threadId) {
     this.threadId = threadId;
     this.panel.querySelector("#panel-scope").textContent = threadId
-      ? "Started in this thread" : "Open or start a thread to see its tasks";
+      ? gettext("Started in this thread") : gettext("Open or start a thread to see its tasks");
     if (threadId) {
       this.loading.hidden = this.loaded;
       return this.refresh({ force: true });
@@ -176,8 +185,8 @@ export class TaskPanel {
       this.setActiveCount(data.active);
     } catch (error) {
       this.failures += 1;
-      const text = error.status === 404 ? "This thread no longer exists."
-        : `${error.message.replace(/^./, (c) => c.toUpperCase()).replace(/\.?$/, ".")} Trying again shortly.`;
+      const text = error.status === 404 ? gettext("This thread no longer exists.")
+        : interpolate(gettext("%(error)s Trying again shortly."), { error: sentence(error.message) });
       this.errorBox.querySelector("[data-error-text]").textContent = text;
       this.errorBox.hidden = false;
       // Never loaded: "Nothing running" would be a guess, so the empty states stay hidden.
@@ -231,7 +240,8 @@ export class TaskPanel {
       }
       placed[which] = row;
       if (before && before.status !== task.status) {
-        this.announce(`${task.name}: ${STATUS_WORDS[task.status] || task.status}`);
+        const news = STATUS_WORDS[task.status] || task.status;
+        this.announce(interpolate(gettext("%(name)s: %(news)s"), { name: task.name, news }));
       }
       // News the assistant will post about: a status change, or a task new since the last list
       // (a quick one can reach waiting_input before the panel ever saw it running, and its
@@ -276,7 +286,7 @@ export class TaskPanel {
 
   updateRow(row, task) {
     row.dataset.status = task.status;
-    row.querySelector(".task-name").textContent = task.name || "Untitled task";
+    row.querySelector(".task-name").textContent = task.name || gettext("Untitled task");
     row.querySelector(".status-word").textContent = STATUS_WORDS[task.status] || task.status;
     row.querySelector(".task-kind").textContent = KIND_WORDS[task.kind] || task.kind;
     const details = this.details.get(task.id);
@@ -286,21 +296,23 @@ export class TaskPanel {
     const cancel = row.querySelector('[data-action="cancel"]');
     const cancelling = task.cancel_requested || this.cancelling.has(task.id);
     cancel.hidden = task.is_terminal;
-    cancel.textContent = cancelling ? "Cancelling…" : "Cancel";
-    cancel.setAttribute("aria-label", cancelling ? `Cancelling “${task.name}”` : `Cancel “${task.name}”`);
+    cancel.textContent = cancelling ? gettext("Cancelling…") : gettext("Cancel");
+    cancel.setAttribute("aria-label", interpolate(
+      cancelling ? gettext("Cancelling “%(name)s”") : gettext("Cancel “%(name)s”"), { name: task.name }));
     // aria-disabled, not disabled: a disabled button drops keyboard focus.
     cancel.setAttribute("aria-disabled", String(cancelling));
 
     const pause = row.querySelector('[data-action="pause"]');
     const pausing = this.pausing.has(task.id);
     pause.hidden = !PAUSABLE.has(task.status) || cancelling;
-    pause.textContent = pausing ? "Pausing…" : "Pause";
-    pause.setAttribute("aria-label", `${pausing ? "Pausing" : "Pause"} “${task.name}”`);
+    pause.textContent = pausing ? gettext("Pausing…") : gettext("Pause");
+    pause.setAttribute("aria-label", interpolate(
+      pausing ? gettext("Pausing “%(name)s”") : gettext("Pause “%(name)s”"), { name: task.name }));
     pause.setAttribute("aria-disabled", String(pausing));
 
     const resume = row.querySelector('[data-action="resume"]');
     resume.hidden = !RESUMABLE.has(task.status) || cancelling;
-    resume.setAttribute("aria-label", `Resume “${task.name}”`);
+    resume.setAttribute("aria-label", interpolate(gettext("Resume “%(name)s”"), { name: task.name }));
 
     if (details) details.update(task);
   }
@@ -308,11 +320,13 @@ export class TaskPanel {
   renderTime(row, task) {
     const since = row.querySelector(".task-since");
     if (task.is_terminal && task.finished_at) {
-      since.textContent = `ended ${timeSince(task.finished_at)} ago`.replace("just now ago", "just now");
+      const ago = timeAgo(task.finished_at);
+      since.textContent = ago ? interpolate(gettext("ended %(ago)s"), { ago }) : gettext("ended just now");
       since.title = fullTime(task.finished_at);
     } else {
       const start = task.started_at || task.created_at;
-      since.textContent = `started ${timeSince(start)} ago`.replace("just now ago", "just now");
+      const ago = timeAgo(start);
+      since.textContent = ago ? interpolate(gettext("started %(ago)s"), { ago }) : gettext("started just now");
       since.title = fullTime(start);
     }
   }
@@ -360,11 +374,18 @@ export class TaskPanel {
     this.updateRow(row, this.tasks.get(id));
     try {
       await api(`/api/tasks/${id}/${action}`, { method: "POST", body: {} });
-      const words = { cancel: "Cancel requested", pause: "Pause requested", resume: "Resumed" };
-      this.announce(`${this.tasks.get(id).name}: ${words[action]}`);
+      const words = {
+        cancel: gettext("Cancel requested"), pause: gettext("Pause requested"), resume: gettext("Resumed"),
+      };
+      this.announce(interpolate(gettext("%(name)s: %(news)s"), { name: this.tasks.get(id).name, news: words[action] }));
     } catch (error) {
       pendingSet?.delete(id);
-      errorLine.textContent = `Couldn't ${action}: ${error.message}`;
+      const failed = {
+        cancel: gettext("Couldn't cancel: %(error)s"),
+        pause: gettext("Couldn't pause: %(error)s"),
+        resume: gettext("Couldn't resume: %(error)s"),
+      };
+      errorLine.textContent = interpolate(failed[action], { error: error.message });
       errorLine.hidden = false;
       this.updateRow(row, this.tasks.get(id));
     }
@@ -401,7 +422,7 @@ export class TaskPanel {
     const task = this.tasks.get(row.dataset.taskId);
     if (!task || task.is_terminal) return;
     let words = PHASE_WORDS[event.kind];
-    if (event.kind === "step_done") words = `Step ${event.data.step} of ${event.data.of}`;
+    if (event.kind === "step_done") words = interpolate(gettext("Step %(step)s of %(of)s"), event.data);
     if (words) row.querySelector(".task-phase").textContent = words;
   }
 

@@ -3,6 +3,7 @@
 
 import { api } from "./api.js";
 import { fromTemplate, h } from "./dom.js";
+import { gettext, interpolate } from "./i18n.js";
 
 export class ThreadList {
   /**
@@ -35,7 +36,7 @@ export class ThreadList {
     item.dataset.threadId = id;
     item.querySelector(".thread-link").href = `/t/${id}/`;
     this.list.prepend(item);
-    this.setTitle(item, title || "Untitled thread");
+    this.setTitle(item, title || gettext("Untitled thread"));
     this.setCurrent(id);
     this.empty.hidden = true;
   }
@@ -51,8 +52,10 @@ export class ThreadList {
   setTitle(item, title) {
     item.dataset.title = title;
     item.querySelector(".thread-title").textContent = title;
-    item.querySelector('[data-action="rename"]').setAttribute("aria-label", `Rename “${title}”`);
-    item.querySelector('[data-action="delete"]').setAttribute("aria-label", `Delete “${title}”`);
+    const rename = interpolate(gettext("Rename “%(title)s”"), { title });
+    const remove = interpolate(gettext("Delete “%(title)s”"), { title });
+    item.querySelector('[data-action="rename"]').setAttribute("aria-label", rename);
+    item.querySelector('[data-action="delete"]').setAttribute("aria-label", remove);
   }
 
   showError(message) {
@@ -69,9 +72,9 @@ export class ThreadList {
     const inputId = `rename-${item.dataset.threadId}`;
     const input = h("input", { id: inputId, type: "text", value: old, maxlength: 200, autocomplete: "off" });
     const form = h("form", { class: "rename-form" },
-      h("label", { class: "visually-hidden", for: inputId }, "Thread title"),
+      h("label", { class: "visually-hidden", for: inputId }, gettext("Thread title")),
       input,
-      h("button", { type: "submit", class: "button small primary" }, "Save"));
+      h("button", { type: "submit", class: "button small primary" }, gettext("Save")));
     let finished = false;
 
     const finish = async (save, { refocus = true } = {}) => {
@@ -90,7 +93,7 @@ export class ThreadList {
         this.onRenamed(item.dataset.threadId, title);
       } catch (error) {
         this.setTitle(item, old);
-        this.showError(`Couldn't rename the thread: ${error.message}`);
+        this.showError(interpolate(gettext("Couldn't rename the thread: %(error)s"), { error: error.message }));
       }
     };
 
@@ -126,7 +129,8 @@ export class ThreadList {
         await api(`/api/threads/${id}`, { method: "DELETE" });
       } catch (error) {
         if (error.status !== 404) { // already gone is what we wanted
-          this.showError(`Couldn't delete “${title}”: ${error.message}`);
+          const words = gettext("Couldn't delete “%(title)s”: %(error)s");
+          this.showError(interpolate(words, { title, error: error.message }));
           return;
         }
       }

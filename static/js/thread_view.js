@@ -8,7 +8,8 @@
 
 import { api, newIdempotencyKey } from "./api.js";
 import { h } from "./dom.js";
-import { fullTime } from "./format.js";
+import { fullTime, shortTime } from "./format.js";
+import { gettext, interpolate } from "./i18n.js";
 import { renderMarkdown } from "./markdown.js";
 import { openStream } from "./task_stream.js";
 
@@ -180,16 +181,16 @@ export class ThreadView {
       }
       this.everLive = true;
     } else if (status === "reconnecting") {
-      text.textContent = "Reconnecting…";
+      text.textContent = gettext("Reconnecting…");
       this.connection.dataset.state = status;
       this.connection.hidden = false;
     } else if (status === "polling") {
-      text.textContent = "Live updates interrupted; checking every few seconds";
+      text.textContent = gettext("Live updates interrupted; checking every few seconds");
       this.connection.dataset.state = status;
       this.connection.hidden = false;
     } else if (status === "closed" && this.stream) {
       // Closed by the server for good (signed out, thread gone).
-      text.textContent = "Disconnected. Reload the page to continue.";
+      text.textContent = gettext("Disconnected. Reload the page to continue.");
       this.connection.dataset.state = status;
       this.connection.hidden = false;
     }
@@ -201,11 +202,15 @@ export class ThreadView {
     const state = this.state;
     state.dataset.state = kind;
     const words = {
-      loading: [h("span", { class: "spinner", "aria-hidden": "true" }), h("span", {}, "Loading the conversation…")],
-      empty: [h("p", {}, h("strong", {}, "No messages yet."), " Ask for research below; the answer comes back here.")],
-      error: [h("span", {}, `Couldn't load the conversation. ${detail}`),
-              h("button", { type: "button", class: "button small", onclick: () => this.retryLoad() }, "Try again")],
-      gone: [h("span", {}, "This thread was deleted. "), h("a", { href: "/" }, "Start a new one")],
+      loading: [h("span", { class: "spinner", "aria-hidden": "true" }),
+                h("span", {}, gettext("Loading the conversation…"))],
+      empty: [h("p", {}, h("strong", {}, gettext("No messages yet.")), " ",
+                gettext("Ask for research below; the answer comes back here."))],
+      error: [h("span", {}, interpolate(gettext("Couldn't load the conversation. %(error)s"), { error: detail })),
+              h("button", { type: "button", class: "button small", onclick: () => this.retryLoad() },
+                gettext("Try again"))],
+      gone: [h("span", {}, gettext("This thread was deleted.")), " ",
+             h("a", { href: "/" }, gettext("Start a new one"))],
     }[kind];
     state.replaceChildren(...(words || []));
     state.hidden = !words;
@@ -254,18 +259,17 @@ export class ThreadView {
     const footer = !mine && message.task
       ? h("div", { class: "message-actions" },
           h("button", { type: "button", class: "link-button", dataset: { showTask: message.task } },
-            "Show task in panel"))
+            gettext("Show task in panel")))
       : null;
     return h("article", {
       class: `message ${mine ? "from-user" : "from-assistant"}`,
       id: `m${message.id}`,
       dataset: { messageId: message.id, role: message.role, task: message.task || null, run: message.run || null },
-      "aria-label": mine ? "You said" : "Longhaul said",
+      "aria-label": mine ? gettext("You said") : gettext("Longhaul said"),
     },
     h("div", { class: "message-meta" },
-      h("span", { class: "author" }, mine ? "You" : "Longhaul"),
-      h("time", { datetime: message.created_at, title: fullTime(message.created_at) },
-        new Date(message.created_at).toLocaleTimeString([], { hour: "2-digit", minute: "2-digit" }))),
+      h("span", { class: "author" }, mine ? gettext("You") : "Longhaul"),
+      h("time", { datetime: message.created_at, title: fullTime(message.created_at) }, shortTime(message.created_at))),
     body, footer);
   }
 
@@ -302,8 +306,9 @@ export class ThreadView {
   // --- sending --------------------------------------------------------------------------
 
   addPending(text) {
-    const element = h("article", { class: "message from-user pending", "aria-label": "Sending" },
-      h("div", { class: "message-meta" }, h("span", { class: "author" }, "You"), h("span", {}, "Sending…")),
+    const element = h("article", { class: "message from-user pending", "aria-label": gettext("Sending") },
+      h("div", { class: "message-meta" },
+        h("span", { class: "author" }, gettext("You")), h("span", {}, gettext("Sending…"))),
       h("div", { class: "message-text" }, text));
     this.messages.append(element);
     if (this.welcome) this.welcome.hidden = true;

@@ -38,10 +38,10 @@ def sign_in_with_cookie(page: Page, server: str, user: User) -> None:
     page.context.add_cookies([{"name": name, "value": client.cookies[name].value, "url": server}])
 
 
-def send(page: Page, text: str) -> None:
-    """Type a message and press Enter, once the composer may send."""
+def send(page: Page, text: str, *, box_name: str = "Message") -> None:
+    """Type a message and press Enter, once the composer may send (`box_name`: the label in the page's language)."""
     expect(page.locator("#send")).to_be_enabled(timeout=15_000)
-    box = page.get_by_role("textbox", name="Message")
+    box = page.get_by_role("textbox", name=box_name)
     box.fill(text)
     box.press("Enter")
 
@@ -52,8 +52,8 @@ def thread_id_of(page: Page) -> str:
     return match.group(1)
 
 
-def open_panel(page: Page) -> Locator:
-    panel = page.get_by_role("complementary", name="Background tasks")
+def open_panel(page: Page, *, name: str = "Background tasks") -> Locator:
+    panel = page.get_by_role("complementary", name=name)
     if not panel.is_visible():
         page.locator("#panel-toggle").click()
     expect(panel).to_be_visible()

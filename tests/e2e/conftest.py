@@ -101,6 +101,17 @@ def _nothing_left_running(worker: Process) -> Iterator[None]:
     stop_everything_running()
 
 
+@pytest.fixture(scope="session")
+def compiled_catalogs() -> None:
+    """The Chinese pages need the compiled catalogs, which `make test` builds (.mo files are not committed)."""
+    for domain in ("django", "djangojs"):
+        po = ROOT / "locale" / "zh_Hans" / "LC_MESSAGES" / f"{domain}.po"
+        mo = po.with_suffix(".mo")
+        if not mo.exists() or mo.stat().st_mtime < po.stat().st_mtime:
+            pytest.fail(f"{mo.relative_to(ROOT)} is missing or stale: run `make test`, or bin/ensure-gettext and "
+                        "`.venv/bin/python manage.py compilemessages --ignore='.*' --ignore=var`")
+
+
 @pytest.fixture
 def screenshots() -> Path:
     """The git-ignored folder the e2e tests save their screenshots in."""
