@@ -83,8 +83,8 @@ WORKER_ENV = {"LONGHAUL_OFFLINE_LATENCY_MS": "150", "LONGHAUL_DEBUG_DRIVERS": "1
 
 @pytest.fixture(scope="session")
 def worker(django_db_setup: None, mcp_server: Path) -> Iterator[Process]:
-    """A real qcluster (chat runs, task steps, notifications) for the whole session."""
-    proc = Process("qcluster", [sys.executable, "manage.py", "qcluster"],
+    """The real worker command, as `make run` starts it (chat runs, task steps, notifications)."""
+    proc = Process("worker", [sys.executable, "manage.py", "worker"],
                    child_env(LONGHAUL_WORKERS="2", **WORKER_ENV), ROOT / "var" / "test-logs" / "e2e")
     try:
         yield proc
