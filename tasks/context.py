@@ -1,4 +1,5 @@
-"""What a driver's step may use: its input, safe points, events and the operation ledger."""
+"""What a driver's step may use: its input, safe points, events, the outcomes of the calls the
+previous step requested, and the ledger of database-local effects."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class StepContext:
         return self.task.retries
 
     def requested_outcomes(self) -> list[Any]:
-        """Outcomes of the model and tool calls the previous step requested, in request order."""
+        """Outcomes of the calls (model, tool, MCP) the previous step requested, in request order."""
         from tasks.operations import outcomes
 
         return outcomes(self.task.pk, self.step - 1) if self.step > 0 else []
@@ -91,11 +92,11 @@ class StepContext:
         run: Callable[[], Any],
         *,
         args: Any = None,
-        kind: str = "effect",
         side_effect: bool = False,
         verify: Callable[[], Any | None] | None = None,
     ) -> Any:
-        """Run one model call, tool call or effect at most once per task step.
+        """Run one database-local effect at most once per task step (a network call is never one:
+        a step requests it with Continue(requests=...) and a gateway job runs it).
 
         Its key (task, step, n) is the same on every attempt. A finished operation's
         result is reused, never re-executed. A side-effecting operation found started
@@ -124,9 +125,9 @@ class StepContext:
             self.fence()
             if existing is None:
                 Operation.objects.create(
-                    task_id=self.task.pk, key=key, step=self.step, n=n, kind=kind, name=name,
-                    args_digest=args_digest, has_side_effects=side_effect, fencing_token=self.token,
-                    started_at=now,
+                    task_id=self.task.pk, key=key, step=self.step, n=n, kind="effect", name=name,
+                    mode=Operation.Mode.LOCAL, args_digest=args_digest, has_side_effects=side_effect,
+                    fencing_token=self.token, started_at=now,
                 )
             else:
                 Operation.objects.filter(key=key).update(

@@ -38,8 +38,8 @@ def _queue_key() -> str:
     return get_broker().list_key
 
 
-def kick(job: str, task_id: int, *, at: datetime | None = None) -> None:
-    """Ask a worker to run `job` for the task now, or not before `at`."""
+def kick(job: str, task_id: int, *, at: datetime | None = None) -> int:
+    """Ask a worker to run `job` for the task now, or not before `at`; returns the kick's id."""
     now = timezone.now()
     name, message_id = q_uuid()
     package = {
@@ -53,7 +53,13 @@ def kick(job: str, task_id: int, *, at: datetime | None = None) -> None:
         "ack_failure": True,
         "started": now,
     }
-    OrmQ.objects.create(key=_queue_key(), payload=SignedPackage.dumps(package), lock=at if at and at > now else now)
+    return OrmQ.objects.create(key=_queue_key(), payload=SignedPackage.dumps(package),
+                               lock=at if at and at > now else now).pk
+
+
+def withdraw(kick_id: int) -> None:
+    """Remove a delayed kick no longer needed (a gateway job's lease watchdog, once the job ended well)."""
+    OrmQ.objects.filter(pk=kick_id).delete()
 
 
 def other_work_waiting(*, now: datetime) -> bool:

@@ -76,12 +76,16 @@ def stop_not_acted_on(now: datetime, limit: int) -> list[Task]:
     """Asked to cancel (or pause) while nobody holds it and nothing will claim it: the request
     should have stopped it at once (rule `stop_request_ignored`)."""
     grace = now - timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS)
-    asked = Q(cancel_requested_at__lt=grace) | Q(pause_requested_at__lt=grace, status__in=[
-        S.QUEUED, S.RUNNING, S.RETRY_WAIT, S.WAITING_INPUT, S.WAITING_TOOL])
+    stoppable = [S.QUEUED, S.RUNNING, S.RETRY_WAIT, S.WAITING_INPUT, S.WAITING_TOOL]
+    # A paused task asked to cancel is stoppable too; a partial one is a person's to resume or cancel, and
+    # keeps the request that made it partial.
+    asked = Q(cancel_requested_at__lt=grace, status__in=[*stoppable, S.PAUSED]) \
+        | Q(pause_requested_at__lt=grace, status__in=stoppable)
     unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
-    return list(Task.objects.filter(asked, unheld).filter(status__in=sorted(set(TaskStatus) - TERMINAL))
+    # Still waiting on calls (a remote cancel round, say): their completion makes it due, and it stops then.
+    return list(Task.objects.filter(asked, unheld)
                 .filter(Q(next_run_at__isnull=True) | ~Q(status__in=CLAIMABLE))
-                .exclude(status=S.PAUSED, cancel_requested_at__isnull=True)[:limit])
+                .exclude(_unfinished_ops_of_last_step())[:limit])
 
 
 def queued_with_free_slots() -> list[int]:
@@ -96,7 +100,9 @@ def orphaned_operations(now: datetime, limit: int) -> list[Operation]:
     """Unfinished operations of a task that has ended, that no gateway job holds: nothing will
     ever run or close them (rule `operation_orphaned`)."""
     grace = now - timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
+    # Not the remote cancel a task's end asks for (an abandon): gateway jobs run it whatever the task's status.
     return list(Operation.objects.filter(task__status__in=sorted(TERMINAL), status__in=UNFINISHED_OPS)
+                .exclude(key__contains=":a")  # task:step:a<n> (operations.request_abandon)
                 .filter(Q(status=OperationStatus.PENDING, created_at__lt=grace)
                         | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
                 .select_related("task")[:limit])

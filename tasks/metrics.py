@@ -281,13 +281,13 @@ def liveness_repairs() -> Metric:
 
 def pool_metrics(*, now: datetime) -> Iterator[Metric]:
     """Model and tool pools: size, calls in flight, calls waiting for a slot, call latency."""
-    live = Q(status=OperationStatus.STARTED, args__isnull=False)  # operation_inflight_idx
+    live = Q(status=OperationStatus.STARTED, mode=Operation.Mode.GATEWAY)  # operation_inflight_idx
     # Only calls of tasks still waiting for them get claimed (or taken over); count the same.
     waiting_task = operations.waiting_task()
     in_flight = _count_by(Operation.objects.filter(live, lease_expires_at__gte=now), "kind")
     orphaned = _count_by(Operation.objects.filter(live, waiting_task, lease_expires_at__lt=now), "kind")
     pending = _count_by(Operation.objects.filter(waiting_task, status=OperationStatus.PENDING,
-                                                 args__isnull=False), "kind")
+                                                 mode=Operation.Mode.GATEWAY), "kind")
     families = {
         "size": GaugeMetricFamily("longhaul_pool_size", "Calls a pool runs at once, across all processes.",
                                   labels=["pool"]),
@@ -319,7 +319,7 @@ def _call_latency(*, now: datetime) -> Metric:
         f"within {int(WINDOW.total_seconds())} s).",
         labels=["pool", "name"])
     # Newest first by primary key: the scan stops after SAMPLE finished rows.
-    rows = (Operation.objects.filter(status__in=operations.FINISHED, args__isnull=False)
+    rows = (Operation.objects.filter(status__in=operations.FINISHED, mode=Operation.Mode.GATEWAY)
             .order_by("-id").values_list("kind", "name", "usage", "finished_at")[:SAMPLE])
     durations: dict[tuple[str, str], list[float]] = defaultdict(list)
     for kind, name, usage, finished_at in rows:

@@ -214,21 +214,29 @@ class Checkpoint(models.Model):
 
 
 class Operation(models.Model):
+    class Mode(models.TextChoices):
+        GATEWAY = "gateway"  # a network call a step requested; a gateway job runs it
+        LOCAL = "local"  # a database-local effect a step performed itself (the sleep driver's SleepEffect)
+
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="operations")
     key = models.CharField(max_length=200, unique=True, help_text="task:step:n, the same on every attempt.")
     step = models.PositiveIntegerField()
     n = models.PositiveIntegerField()
-    kind = models.CharField(max_length=16)  # model, tool, effect
+    kind = models.CharField(max_length=16)  # the pool: model, tool, mcp; effect for local ones
     name = models.CharField(max_length=100)
+    mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.GATEWAY)
     args_digest = models.CharField(max_length=64)
     status = models.CharField(max_length=16, choices=OperationStatus.choices, default=OperationStatus.STARTED)
     result = models.JSONField(null=True, blank=True)
     error_class = models.CharField(max_length=32, blank=True)
     error_message = models.TextField(blank=True)
     attempts = models.PositiveIntegerField(default=1)
-    has_side_effects = models.BooleanField(default=False)
+    has_side_effects = models.BooleanField(
+        default=False, help_text="Must not run twice: if its gateway job dies during it, it fails, not runs again.")
     fencing_token = models.PositiveBigIntegerField()
-    args = models.JSONField(null=True, blank=True, help_text="What a gateway job executes; None for inline effects.")
+    args = models.JSONField(null=True, blank=True, help_text="What a gateway job executes; None for local effects.")
+    not_before = models.DateTimeField(null=True, blank=True,
+                                      help_text="Not run before this time (a remote job's next poll); None: at once.")
     usage = models.JSONField(default=dict, blank=True)
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
@@ -243,7 +251,7 @@ class Operation(models.Model):
             models.Index(fields=["kind", "id"], name="operation_pending_idx", condition=Q(status="pending")),
             # operations.claim_batch and pool counts: operations in flight, by lease expiry.
             models.Index(fields=["kind", "lease_expires_at"], name="operation_inflight_idx",
-                         condition=Q(status="started", args__isnull=False)),
+                         condition=Q(status="started", mode="gateway")),
         ]
 
     def __str__(self) -> str:

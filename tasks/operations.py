@@ -1,12 +1,20 @@
-"""Model and tool calls that steps request, executed by gateway jobs.
+"""Calls that steps request, executed by gateway jobs: model calls, tool calls and MCP requests.
 
-A step never waits on the network: it asks for Operations and the task waits
-(waiting_tool, or running with waiting_reason "model") holding no worker. A gateway
-job claims pending operations in batches, under each pool's concurrency cap shared
-by every process, runs them concurrently on one event loop, records each result on
-its row, and when a task's last operation of a step is done, makes the next step due
-and kicks it. A finished operation is never executed again; one whose gateway job
-died is claimed again when its lease expires.
+A step never waits on the network: it asks for Operations and the task waits, holding no
+worker (waiting_tool; running with waiting_reason "model"; or, while a remote MCP job works,
+running with waiting_reason "tool"). A gateway job claims due operations in batches, under
+each pool's concurrency cap shared by every process (model, tool, and mcp per server), runs
+them concurrently on one event loop, records each result on its row, and when a task's last
+operation of a step is done, makes the next step due and kicks it. An operation may be due
+later (`not_before`, a remote job's next poll): the step that requested it kicked the gateway
+for then, and the sweeper finds it if that kick is lost.
+
+A finished operation is never executed again. One whose gateway job died is claimed again
+when its lease expires, unless it must never run twice (`has_side_effects`: a tools/call):
+that one fails as "may or may not have started", and its task decides what follows. Calls
+that stop a remote job (tasks/cancel) run whatever became of their task: an abandon is
+requested in the very transaction that ends the task, and a remote job whose tools/call
+finished after its task had ended is stopped the same way.
 
 On PostgreSQL one gateway job claims at a time per database (a session advisory lock):
 one event loop keeps hundreds of calls in flight, so a second job would only hold a
@@ -22,6 +30,7 @@ import logging
 import time
 import traceback
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -35,13 +44,19 @@ from tasks import clock, kicks, leases, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drivers import OpRequest
-from tasks.errors import InternalError, StepError, StepTimeout
-from tasks.models import Operation, Task
-from tasks.statuses import OperationStatus, TaskStatus
+from tasks.errors import InternalError, InvalidInput, StepError, StepTimeout
+from tasks.models import Checkpoint, Operation, Task
+from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
 
 log = logging.getLogger(__name__)
-KINDS = ("model", "tool")
+KINDS = ("model", "tool", "mcp")
 FINISHED = (OperationStatus.SUCCEEDED, OperationStatus.FAILED)
+GATEWAY = Operation.Mode.GATEWAY
+STOPS_REMOTE_WORK = "tasks/cancel"  # an MCP call that runs whatever became of its task
+WATCHDOG_MARGIN = timedelta(milliseconds=500)
+WATCHDOG_STEP = timedelta(seconds=2)
+LOST = ("the gateway job running this call stopped before it answered, so the call may or may not have started; "
+        "it is not run again")
 
 
 @dataclass(frozen=True)
@@ -55,50 +70,97 @@ class OpOutcome:
     error_class: str
     error_message: str
     usage: dict[str, Any]
+    finished: bool = True
 
 
 def pool_size(kind: str) -> int:
-    return int(settings.LONGHAUL_MODEL_CONCURRENCY if kind == "model" else settings.LONGHAUL_TOOL_CONCURRENCY)
+    """Calls a pool runs at once across every process; for mcp, per server."""
+    if kind == "model":
+        return int(settings.LONGHAUL_MODEL_CONCURRENCY)
+    if kind == "mcp":
+        return int(settings.LONGHAUL_MCP_CONCURRENCY)
+    return int(settings.LONGHAUL_TOOL_CONCURRENCY)
 
 
 # --- the step side -------------------------------------------------------------
 
 
-def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime) -> None:
-    """Inside the step's commit: store the requested operations as pending rows."""
-    step = task.current_step
+def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime, prefix: str = "r",
+            step: int | None = None) -> datetime:
+    """Inside the step's commit: store the requested operations as pending rows. Returns when the
+    first is due, for the gateway kick.
+
+    Keys are task:step:r<n>, `step` being the step that asks (by default the task's current one);
+    a step that counted for nothing (a quiet poll) adds its calls to the step before, after the
+    ones there. Calls that belong to the task's end rather than to a step (an abandon) are
+    task:step:a<n>, which no step reads as its outcomes."""
+    step = task.current_step if step is None else step
+    first = Operation.objects.filter(task_id=task.pk, step=step, key__startswith=f"{task.pk}:{step}:{prefix}").count()
     Operation.objects.bulk_create(
-        Operation(task_id=task.pk, key=f"{task.pk}:{step}:r{n}", step=step, n=n, kind=r.kind, name=r.name,
-                  args=r.args, args_digest=digest(r.args), status=OperationStatus.PENDING, fencing_token=token,
-                  attempts=0, created_at=now)
-        for n, r in enumerate(requests)
+        Operation(task_id=task.pk, key=f"{task.pk}:{step}:{prefix}{n}", step=step, n=n, kind=r.kind, name=r.name,
+                  mode=GATEWAY, args=r.args, args_digest=digest(r.args), status=OperationStatus.PENDING,
+                  fencing_token=token, attempts=0, has_side_effects=r.once, not_before=r.not_before,
+                  created_at=now)
+        for n, r in enumerate(requests, start=first)
     )
+    return max(now, min(r.not_before or now for r in requests))
+
+
+def request_abandon(task: Task, *, now: datetime) -> bool:
+    """Inside the transaction that ends a task (or finds it ended): ask its remote work to stop, once.
+
+    A worker fenced out never gets here (its end raised LeaseLost first), so it cannot stop
+    its successor's remote job."""
+    from tasks.drivers import get_driver, remote_cancelling
+
+    try:
+        remote = remote_cancelling(get_driver(task.kind))
+    except InvalidInput:
+        return False
+    if remote is None or Operation.objects.filter(task_id=task.pk, args__abandon=True).exists():
+        return False
+    checkpoint = Checkpoint.objects.filter(task_id=task.pk).order_by("-step").first()
+    requests = remote.abandon(task, checkpoint.state if checkpoint else None)
+    if not requests:
+        return False
+    request(task, token=task.fencing_token, requests=requests, now=now, prefix="a")
+    kicks.kick("operations", task.pk)
+    return True
+
+
+def _of_step(task_id: int, step: int):
+    """The operations `step` requested (an abandon belongs to the task's end, not to a step)."""
+    return (Operation.objects.filter(task_id=task_id, step=step, mode=GATEWAY)
+            .exclude(key__startswith=f"{task_id}:{step}:a"))
 
 
 def outcomes(task_id: int, step: int) -> list[OpOutcome]:
     """The operations requested by `step`, in request order."""
-    rows = Operation.objects.filter(task_id=task_id, step=step, args__isnull=False).order_by("n")
     return [
         OpOutcome(name=op.name, args=op.args, ok=op.status == OperationStatus.SUCCEEDED, result=op.result,
-                  error_class=op.error_class, error_message=op.error_message, usage=op.usage)
-        for op in rows
+                  error_class=op.error_class, error_message=op.error_message, usage=op.usage,
+                  finished=op.status in FINISHED)
+        for op in _of_step(task_id, step).order_by("n")
     ]
 
 
 def unfinished(task_id: int, step: int) -> bool:
-    return (
-        Operation.objects.filter(task_id=task_id, step=step, args__isnull=False)
-        .exclude(status__in=FINISHED)
-        .exists()
-    )
+    return _of_step(task_id, step).exclude(status__in=FINISHED).exists()
+
+
+def waits_on(task_id: int, step: int, kind: str) -> bool:
+    """Whether an unfinished operation of `step` is of this pool."""
+    return _of_step(task_id, step).filter(kind=kind).exclude(status__in=FINISHED).exists()
 
 
 def waits_on_tool(task_id: int, step: int) -> bool:
-    return (
-        Operation.objects.filter(task_id=task_id, step=step, kind="tool", args__isnull=False)
-        .exclude(status__in=FINISHED)
-        .exists()
-    )
+    return waits_on(task_id, step, "tool")
+
+
+def first_due(task_id: int, step: int, now: datetime) -> datetime:
+    """When the first unfinished operation of `step` is due, for a gateway kick."""
+    dues = list(_of_step(task_id, step).exclude(status__in=FINISHED).values_list("not_before", flat=True))
+    return now if not dues or None in dues else max(now, min(dues))
 
 
 # --- the gateway side ----------------------------------------------------------
@@ -132,27 +194,50 @@ def end_gateway_turn() -> None:
 
 
 def waiting_task() -> Q:
-    """Operations whose task still waits for them (a cancelled or paused task's calls are not run)."""
-    return Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
-                                                        task__waiting_reason__in=("model", "tool"))
+    """Operations of the step their task waits for (a cancelled or paused task's calls, or those of
+    a step it has moved past, are not run)."""
+    waiting = Q(task__status=TaskStatus.WAITING_TOOL) | Q(task__status=TaskStatus.RUNNING,
+                                                          task__waiting_reason__in=("model", "tool"))
+    return waiting & Q(step__gte=F("task__current_step") - 1)
+
+
+def _claimable() -> Q:
+    return waiting_task() | Q(kind="mcp", name=STOPS_REMOTE_WORK)
 
 
 def _due(now: datetime) -> Q:
-    """Pending, or started by a job whose lease ran out (it died)."""
-    return Q(status=OperationStatus.PENDING) | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now)
+    """Pending and due, or started by a job whose lease ran out (it died)."""
+    return (Q(status=OperationStatus.PENDING) & (Q(not_before__isnull=True) | Q(not_before__lte=now))
+            | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
+
+
+def _runnable(kind: str, now: datetime):
+    """Due operations of a pool that a gateway job may run (one that must not run twice is never run again)."""
+    return (Operation.objects.filter(_due(now), _claimable(), kind=kind, mode=GATEWAY)
+            .exclude(status=OperationStatus.STARTED, has_side_effects=True))
 
 
 def _in_flight(kind: str, now: datetime) -> int:
-    return Operation.objects.filter(kind=kind, status=OperationStatus.STARTED, args__isnull=False,
+    return Operation.objects.filter(kind=kind, status=OperationStatus.STARTED, mode=GATEWAY,
                                     lease_expires_at__gte=now).count()
+
+
+def _free_slots(kind: str, now: datetime) -> list[tuple[Q, int]]:
+    """Where a pool has room now: (which of its operations, free slots). An MCP server is a pool of its own."""
+    if kind != "mcp":
+        return [(Q(), pool_size(kind) - _in_flight(kind, now))]
+    busy = Counter(Operation.objects.filter(kind=kind, status=OperationStatus.STARTED, mode=GATEWAY,
+                                            lease_expires_at__gte=now).values_list("args__server", flat=True))
+    servers = set(_runnable(kind, now).order_by().values_list("args__server", flat=True).distinct())
+    return [(Q(args__server=server), pool_size(kind) - busy[server]) for server in sorted(servers, key=str)]
 
 
 def claimable_exists(now: datetime) -> bool:
     """Due operations that a gateway job could claim now: its pool has a free slot."""
     for kind in KINDS:
-        due = Operation.objects.filter(_due(now), waiting_task(), kind=kind, args__isnull=False)
-        if due.exists() and _in_flight(kind, now) < pool_size(kind):
-            return True
+        for which, free in _free_slots(kind, now):
+            if free > 0 and _runnable(kind, now).filter(which).exists():
+                return True
     return False
 
 
@@ -179,7 +264,8 @@ def _lock_pool(kind: str) -> None:
 
 
 def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
-    """Claim due operations of both pools, each within its free slots."""
+    """Claim due operations of every pool, each within its free slots."""
+    settle_lost_calls(now=now)
     lease = timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
     claimed: list[Operation] = []
     for kind in KINDS:
@@ -187,21 +273,36 @@ def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
             break
         with transaction.atomic():
             _lock_pool(kind)
-            free = min(pool_size(kind) - _in_flight(kind, now), limit - len(claimed))
-            if free <= 0:
-                continue
-            rows = list(
-                Operation.objects.select_for_update(skip_locked=True, of=("self",))
-                .filter(_due(now), waiting_task(), kind=kind, args__isnull=False)
-                .order_by("id")[:free]
-            )
-            for op in rows:
-                Operation.objects.filter(pk=op.pk).update(
-                    status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
-                    attempts=op.attempts + 1, started_at=now)
-                op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
-            claimed.extend(rows)
+            for which, free in _free_slots(kind, now):
+                free = min(free, limit - len(claimed))
+                if free <= 0:
+                    continue
+                rows = list(
+                    Operation.objects.select_for_update(skip_locked=True, of=("self",))
+                    .filter(pk__in=_runnable(kind, now).filter(which).values("pk"))
+                    .order_by("id")[:free]
+                )
+                for op in rows:
+                    Operation.objects.filter(pk=op.pk).update(
+                        status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
+                        attempts=op.attempts + 1, started_at=now)
+                    op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
+                claimed.extend(rows)
     return claimed
+
+
+def settle_lost_calls(*, now: datetime, limit: int = 100) -> int:
+    """Calls that must never run twice, left started by a gateway job that died: failed, never run
+    again (MCP cannot ask a server whether a tools/call began); their task decides what follows."""
+    lost = list(Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, has_side_effects=True,
+                                         lease_expires_at__lt=now).values_list("pk", flat=True)[:limit])
+    settled = 0
+    for op_id in lost:
+        log.warning("operation %s: its gateway job died during the call; failing it, not running it again", op_id)
+        settled += _finish(op_id, guard=Q(status=OperationStatus.STARTED, lease_expires_at__lt=now), fields={
+            "status": OperationStatus.FAILED, "result": None, "error_class": StepTimeout.error_class,
+            "error_message": LOST, "finished_at": now, "lease_owner": "", "lease_expires_at": None})
+    return settled
 
 
 def retries_left(task_id: int) -> int:
@@ -213,31 +314,46 @@ def record(op_id: int, *, owner: str, result: Any = None, error: StepError | Non
            usage: dict[str, Any] | None = None, retries_used: int = 0) -> bool:
     """Store an operation's outcome; if it was its step's last, make the task's next step due."""
     now = clock.now()
+    return _finish(op_id, guard=Q(status=OperationStatus.STARTED, lease_owner=owner), retries_used=retries_used,
+                   fields={
+                       "status": OperationStatus.FAILED if error else OperationStatus.SUCCEEDED,
+                       "result": None if error else result,
+                       "error_class": error.error_class if error else "",
+                       "error_message": str(error)[:2000] if error else "",
+                       "usage": usage or {}, "finished_at": now, "lease_owner": "", "lease_expires_at": None,
+                   })
+
+
+def _finish(op_id: int, *, guard: Q, fields: dict[str, Any], retries_used: int = 0) -> bool:
+    """Close an operation (if `guard` still holds); if it was the last its task waited for, make the next step due."""
+    now = fields["finished_at"]
     with transaction.atomic():
-        op = Operation.objects.filter(pk=op_id).only("task_id", "step").first()
+        op = Operation.objects.filter(pk=op_id).only("task_id", "step", "has_side_effects").first()
         if op is None:
             return False
         task = Task.objects.select_for_update().get(pk=op.task_id)  # one recorder per task at a time
-        done = Operation.objects.filter(pk=op_id, status=OperationStatus.STARTED, lease_owner=owner).update(
-            status=OperationStatus.FAILED if error else OperationStatus.SUCCEEDED,
-            result=None if error else result,
-            error_class=error.error_class if error else "",
-            error_message=str(error)[:2000] if error else "",
-            usage=usage or {}, finished_at=now, lease_owner="", lease_expires_at=None,
-        )
-        if not done:
+        if not Operation.objects.filter(guard, pk=op_id).update(**fields):
             return False  # our lease expired and another job took the operation over
         if retries_used:
             Task.objects.filter(pk=task.pk).update(retries=F("retries") + retries_used)
+        if task.status in TERMINAL:
+            if op.has_side_effects and fields["status"] == OperationStatus.SUCCEEDED:
+                # Work it started (a remote job) outlives a task that ended meanwhile: stop it, once.
+                request_abandon(task, now=now)
+            return True
         still_waiting = task.status == TaskStatus.WAITING_TOOL or (
             task.status == TaskStatus.RUNNING and task.waiting_reason in ("model", "tool"))
-        if still_waiting and not unfinished(task.pk, op.step):
+        if still_waiting and op.step >= task.current_step - 1 and not unfinished(task.pk, op.step):
             if transitions.operations_done(task, now=now):
                 kicks.kick("advance", task.pk)
     return True
 
 
 async def _execute(op: Operation, *, client: Any, budget: Any) -> tuple[Any, dict[str, Any]]:
+    if op.kind == "mcp":
+        from tasks.mcp import calls
+
+        return await calls.run(op.name, op.args, task_id=op.task_id, budget=budget), {}
     if op.kind == "model":
         from tasks.gateway.providers import ModelCall, get_provider
 
@@ -270,6 +386,30 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
                                 retries_used=budget.used)
 
 
+class Watchdog:
+    """A delayed gateway kick for when the leases of the calls a job has claimed run out: if the job dies
+    with them, the next job takes them over then, not at the next sweep. A job that ends well withdraws it."""
+
+    def __init__(self) -> None:
+        self.kick_id: int | None = None
+        self.at: datetime | None = None
+
+    def cover(self, now: datetime) -> None:
+        """After a claim at `now`: make sure the kick comes after these calls' leases run out."""
+        needed = now + timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS) + WATCHDOG_MARGIN
+        if self.at is not None and self.at >= needed:
+            return
+        # One kick per job, moved later in steps as it claims more (not one broker row per claim).
+        self.withdraw()
+        self.at = needed + WATCHDOG_STEP
+        self.kick_id = kicks.kick("operations", 0, at=self.at)
+
+    def withdraw(self) -> None:
+        if self.kick_id is not None:
+            kicks.withdraw(self.kick_id)
+            self.kick_id, self.at = None, None
+
+
 async def pump(*, owner: str, run_for: float) -> int | None:
     """Claim and run operations until none are due or `run_for` seconds have passed; returns how
     many ran, or None when another job holds the gateway turn."""
@@ -280,6 +420,7 @@ async def pump(*, owner: str, run_for: float) -> int | None:
     holding = True
     stop_claiming = time.monotonic() + run_for
     in_flight: set[asyncio.Task[None]] = set()
+    watchdog = Watchdog()
     ran = 0
     # httpx's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says.
     pool = httpx.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
@@ -295,7 +436,10 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                     await sync_to_async(kick_if_claimable)()
                 room = settings.LONGHAUL_GATEWAY_INFLIGHT - len(in_flight)
                 if room > 0 and claiming:
-                    batch = await sync_to_async(claim_batch)(owner=owner, limit=room, now=clock.now())
+                    now = clock.now()
+                    batch = await sync_to_async(claim_batch)(owner=owner, limit=room, now=now)
+                    if batch:
+                        await sync_to_async(watchdog.cover)(now)
                     for op in batch:
                         in_flight.add(asyncio.create_task(_run_one(op, owner=owner, client=client)))
                     ran += len(batch)
@@ -304,6 +448,8 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                 done, _ = await asyncio.wait(in_flight, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
                 in_flight -= done
     finally:
+        if not in_flight:
+            await sync_to_async(watchdog.withdraw)()  # every call it claimed is recorded
         if holding:
             await sync_to_async(end_gateway_turn)()
         # Also after a late drain: calls due when the pool was full (of this job's calls) wait for a kick.
@@ -321,5 +467,5 @@ def run_due(*, run_for: float | None = None) -> int | None:
 
 
 def due_exists(now: datetime) -> bool:
-    """For the sweeper: operations nobody is running (pending, or their job died)."""
-    return Operation.objects.filter(_due(now), waiting_task(), args__isnull=False).exists()
+    """For the sweeper: due operations nobody is running (pending, or their job died)."""
+    return Operation.objects.filter(_due(now), _claimable(), mode=GATEWAY).exists()

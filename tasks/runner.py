@@ -1,9 +1,11 @@
 """Execute a claimed task's steps: safe points, the driver, the fenced commit.
 
-One step runs outside any transaction (it may sleep or wait); its checkpoint,
-events, status and the next kick then commit together, guarded by the fencing
-token. When nothing else waits for a worker, the next step runs in place
-for a short time slice instead of a broker round trip.
+One step runs outside any transaction and never waits on the network; its checkpoint,
+events, status, the calls it requests and the next kick then commit together, guarded
+by the fencing token. Telling a remote server to stop (a cancel round, or abandoning
+remote work when a task ends otherwise) is a call requested in that same fenced
+transaction, so a worker fenced out stops nothing. When nothing else waits for a
+worker, the next step runs in place for a short time slice instead of a broker round trip.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from django.db import transaction
 from tasks import clock, kicks, leases, operations, transitions
 from tasks.budgets import Budget, retry_at
 from tasks.context import StepContext
-from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, RemoteCancelling, Wait, get_driver, remote_cancelling
+from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, RemoteCancelling, get_driver, remote_cancelling
 from tasks.errors import (
     BudgetExhausted,
     CancelRequested,
@@ -139,33 +141,24 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             # What a step learned from a remote server after the cancel request is discarded (DESIGN §10).
             stop_as_requested(fresh, now=now, token=token)
             return None
-        if isinstance(outcome, Wait) and outcome.state == state_before and not ctx.events and not outcome.events:
-            # A poll that learned nothing new: no checkpoint and no step spent, only the next poll.
-            _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=False, events=[], step_done=False,
-                                         due_at=outcome.until, tracking_degraded=outcome.tracking_degraded))
-            kicks.kick("advance", task.pk, at=outcome.until)
-            return None
-        Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
-                                  state=outcome.state, schema_version=driver.schema_version, at=now)
         events = [*ctx.events, *outcome.events]
+        # A poll that learned nothing new is no step: no checkpoint (the last one says the same) and no step
+        # counted, only its next poll, which joins the calls of the step that asked for the first.
+        quiet = (isinstance(outcome, Continue) and bool(outcome.requests) and outcome.state == state_before
+                 and not events and fresh.current_step > 0)
+        if not quiet:
+            Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
+                                      state=outcome.state, schema_version=driver.schema_version, at=now)
         if isinstance(outcome, Finish):
             # A late cancel loses to a finished result: the work is done and recorded.
             _won(transitions.succeed(fresh, token=token, now=now, result=outcome.result, events=events))
             return None
         stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
-        if isinstance(outcome, Wait) and not stop_requested:
-            _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=False, events=events,
-                                         due_at=outcome.until, tracking_degraded=outcome.tracking_degraded))
-            kicks.kick("advance", task.pk, at=outcome.until)
-            return None
         if isinstance(outcome, Ask) and not stop_requested:
             _won(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events))
             return None
         if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
-            operations.request(fresh, token=token, requests=outcome.requests, now=now)
-            tool = any(r.kind == "tool" for r in outcome.requests)
-            _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=events))
-            kicks.kick("operations", task.pk)
+            _wait_for_requests(fresh, token, outcome, events, now=now, step_done=not quiet)
             return None
         keep = keep_lease or stop_requested
         _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep and not isinstance(outcome, Ask),
@@ -179,8 +172,26 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
         return fresh
 
 
+def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[NewEvent], *, now: datetime,
+                       step_done: bool = True) -> None:
+    """Inside the fenced commit: store the calls the step asked for and wait for them, holding no worker.
+    `step_done=False`: the step counts for nothing, and its calls join those of the step before."""
+    due = operations.request(task, token=token, requests=outcome.requests, now=now,
+                             step=None if step_done else task.current_step - 1)
+    if any(r.kind == "mcp" for r in outcome.requests):
+        # The remote tool is working: the task says running while its calls (and polls) are out.
+        _won(transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
+                                         tracking_degraded=outcome.tracking_degraded))
+    else:
+        tool = any(r.kind == "tool" for r in outcome.requests)
+        _won(transitions.wait_for_operations(task, token=token, now=now, tool=tool, events=events,
+                                             step_done=step_done))
+    kicks.kick("operations", task.pk, at=due)
+
+
 def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: dict, *, owner: str) -> None:
-    """One round of telling a remote server to stop; the task ends cancelled once it has, or is gone."""
+    """One round of telling a remote server to stop, as calls a gateway job makes; the task ends
+    cancelled once the remote has stopped, is gone, or did not confirm in time."""
     ctx = StepContext(task, token=token)
     heartbeat.hold(task.pk, owner=owner, token=token)
     try:
@@ -197,19 +208,17 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        if outcome is None:
-            if ctx.events:
-                append(fresh, ctx.events, status=fresh.status, at=now)
+        if outcome is None or not outcome.requests:
+            events = [*ctx.events, *(outcome.events if outcome else [])]
+            if events:
+                append(fresh, events, status=fresh.status, at=now)
             _won(transitions.cancel(fresh, now=now, token=token))
             return None
         events = [*ctx.events, *outcome.events]
-        changed = outcome.state != state or bool(events)
-        if changed:
+        if outcome.state != state or events:
             Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
                                       state=outcome.state, schema_version=get_driver(task.kind).schema_version, at=now)
-        _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=False, events=events, step_done=changed,
-                                     due_at=outcome.until, tracking_degraded=outcome.tracking_degraded))
-        kicks.kick("advance", task.pk, at=outcome.until)
+        _wait_for_requests(fresh, token, outcome, events, now=now)
     return None
 
 
@@ -230,11 +239,16 @@ def _wait_again(task: Task, token: int) -> bool:
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        if not operations.unfinished(task.pk, task.current_step - 1):
+        step = task.current_step - 1
+        if not operations.unfinished(task.pk, step):
             return False
-        tool = operations.waits_on_tool(task.pk, task.current_step - 1)
-        _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=[], step_done=False))
-        kicks.kick("operations", task.pk)
+        if operations.waits_on(task.pk, step, "mcp"):
+            _won(transitions.wait_for_remote(fresh, token=token, now=now, events=[], step_done=False))
+        else:
+            tool = operations.waits_on_tool(task.pk, step)
+            _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=[],
+                                                 step_done=False))
+        kicks.kick("operations", task.pk, at=operations.first_due(task.pk, step, now))
     return True
 
 
@@ -290,15 +304,6 @@ def _driver_or_none(kind: str) -> Driver | None:
         return None
 
 
-def _abandon_remote_work(task: Task) -> None:
-    """Before a task with work on a remote server ends other than by a cancel (its budget, an error,
-    poison): ask the server to stop, once, so the work does not outlive the task."""
-    remote = remote_cancelling(_driver_or_none(task.kind))
-    if remote is not None:
-        checkpoint = latest_checkpoint(task)
-        remote.abandon(task, checkpoint.state if checkpoint else None)
-
-
 def _end_failed(task: Task, token: int, error_class: str, message: str, detail: str = "",
                 result: dict | None = None) -> None:
     now = clock.now()
@@ -306,8 +311,9 @@ def _end_failed(task: Task, token: int, error_class: str, message: str, detail: 
         fresh = leases.lock_fenced(task.pk, token)
         _won(transitions.fail(fresh, now=now, token=token, error_class=error_class, message=message, detail=detail,
                               result=result))
-    # Only after the fenced end committed: a worker fenced out must not stop its successor's remote work.
-    _abandon_remote_work(task)
+        # Remote work must not outlive the task: a call to stop it, in the fenced end (a worker fenced out
+        # raised LeaseLost above, so it never stops its successor's remote job).
+        operations.request_abandon(fresh, now=now)
     return None
 
 
@@ -332,7 +338,7 @@ def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, stat
         else:
             _won(transitions.fail(fresh, now=now, token=token, error_class=ErrorClass.BUDGET_EXHAUSTED,
                                   message=f"stopped before any result: {reason}", step_done=checkpointed))
-    _abandon_remote_work(task)  # after the fenced end, as in _end_failed
+        operations.request_abandon(fresh, now=now)  # in the fenced end, as in _end_failed
     return None
 
 

@@ -187,6 +187,29 @@ def wait_for_operations(
     return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
 
 
+def wait_for_remote(
+    task: Task, *, token: int, now: datetime, events: list[NewEvent], step_done: bool = True,
+    tracking_degraded: bool | None = None,
+) -> bool:
+    """running -> running with waiting_reason "tool", no worker, no lease, not due: a remote MCP job
+    works while its calls (tools/call, a poll at the server's interval, tasks/update, tasks/cancel)
+    are out; the gateway's last result makes it due. `step_done=False`: a poll that learned nothing
+    counts no step (it still proves the remote job is followed). `tracking_degraded` sets or clears the flag."""
+    fields: dict[str, Any] = {**_released(), "next_run_at": None, "waiting_reason": "tool", "attempts": 0,
+                              "last_progress_at": now, "stalled_at": None}
+    if step_done:
+        fields["current_step"] = task.current_step + 1
+    newly_degraded = bool(tracking_degraded) and not task.tracking_degraded
+    if tracking_degraded is not None:
+        fields["tracking_degraded"] = tracking_degraded
+    won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+    if won and newly_degraded:
+        from tasks import notifications
+
+        notifications.note(task, event="tracking_degraded", now=now)
+    return won
+
+
 def wait_input(task: Task, *, token: int, now: datetime, question: str, events: list[NewEvent]) -> bool:
     """running -> waiting_input: the task asks its owner; it holds no slot until answered."""
     return _move(

@@ -1,8 +1,10 @@
 """What a task kind does, step by step. Drivers know nothing of HTTP, WebSockets or the admin.
 
 A driver gets the checkpoint state and a StepContext, and returns the next state
-(Continue) or the end (Finish). It fails by raising a StepError subclass, whose
-class decides between a retry and a failure.
+(Continue, with the calls it wants made) or the end (Finish). It fails by raising a
+StepError subclass, whose class decides between a retry and a failure. A step never
+waits on the network: every model, tool or MCP call is an OpRequest that a gateway
+job runs, and the next step reads its outcome (ctx.requested_outcomes()).
 """
 
 from __future__ import annotations
@@ -23,18 +25,24 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class OpRequest:
-    """A model or tool call a step wants; a gateway job runs it, and the next step reads its outcome."""
+    """A call a step wants; a gateway job runs it, and the next step reads its outcome."""
 
-    kind: str  # "model" or "tool"
-    name: str  # the model call's purpose, or the tool's name
+    kind: str  # the pool: "model", "tool" or "mcp"
+    name: str  # the model call's purpose, the tool's name, or the MCP method
     args: dict[str, Any]
+    not_before: datetime | None = None  # not run before then (a remote job's next poll); None: at once
+    once: bool = False  # must never run twice: a gateway job that dies during it fails it instead
 
 
 @dataclass(frozen=True)
 class Continue:
+    """The next state; with requests, the task waits (holding no worker) until a gateway job has run them all.
+    `tracking_degraded`, when not None, sets or clears the task's remote-tracking flag."""
+
     state: dict[str, Any]
     events: list[NewEvent] = field(default_factory=list)
     requests: list[OpRequest] = field(default_factory=list)
+    tracking_degraded: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -53,18 +61,7 @@ class Ask:
     events: list[NewEvent] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Wait:
-    """Nothing to do until `until` (a remote job's next poll): the task keeps its slot, holds no worker,
-    and a delayed kick brings it back. `tracking_degraded`, when not None, sets the task's flag."""
-
-    state: dict[str, Any]
-    until: datetime
-    events: list[NewEvent] = field(default_factory=list)
-    tracking_degraded: bool | None = None
-
-
-Outcome = Continue | Finish | Ask | Wait
+Outcome = Continue | Finish | Ask
 
 
 @dataclass(frozen=True)
@@ -90,17 +87,20 @@ class Driver(Protocol):
 class RemoteCancelling(Protocol):
     """A driver whose work lives on a remote server that must be told to stop (DESIGN §10).
 
-    While its task is asked to cancel, the runner runs `cancel_step` instead of `step`
-    until it returns None (the remote stopped, or is gone); a step result that arrives
+    While its task is asked to cancel, the runner runs `cancel_step` instead of `step`:
+    each round reads the previous round's outcomes and requests its calls, like a step,
+    until it returns None or a Continue without requests (the remote stopped, is gone, or
+    did not confirm in time), and the task ends cancelled. A step result that arrives
     after the request is discarded rather than committed.
     """
 
-    def remote_to_cancel(self, task_id: int, state: dict[str, Any]) -> bool: ...
+    def remote_to_cancel(self, task_id: int, state: dict[str, Any] | None) -> bool: ...
 
-    def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Wait | None: ...
+    def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Continue | None: ...
 
-    def abandon(self, task: Task, state: dict[str, Any] | None) -> None:
-        """Best effort, once: tell the remote to stop, when the task ends for another reason (its budget)."""
+    def abandon(self, task: Task, state: dict[str, Any] | None) -> list[OpRequest]:
+        """The calls that tell the remote to stop, once, when the task ends for another reason (its budget,
+        an error): requested in the transaction that ends it, so a worker fenced out requests nothing."""
         ...
 
 

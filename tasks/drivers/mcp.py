@@ -1,30 +1,34 @@
 """The `mcp` driver: one tool call on a configured remote MCP server, followed as a durable task.
 
-Input: {server, tool, arguments}. The first step calls the tool with the Tasks
-extension (through the operation ledger, so a replayed step finds the call made);
-a server that answers at once ends the task there. Otherwise the remote task id goes
-into the checkpoint, which never leaves the server, and each later step polls
-`tasks/get` once and returns Wait until the next poll: the task keeps its slot but
-no worker. Remote statuses map onto the task's (DESIGN §10):
+Input: {server, tool, arguments}. Like every driver, a step never talks to the network: it
+requests MCP calls (tasks/mcp/calls.py) that gateway jobs run in the `mcp` pool, and the next
+step reads their outcome. The first step requests the tools/call (with the Tasks extension;
+requested `once`, so a gateway job that dies during it fails it rather than calls the tool
+twice); a server that answers at once ends the task there. Otherwise the remote task id goes
+into the checkpoint, which never leaves the server, and each later step reads one poll's
+outcome and requests the next poll, due at the server's poll interval: one step per poll,
+and meanwhile the task is running, waiting on that unfinished call, holding no worker. Remote
+statuses map onto the task's (DESIGN §10):
 
-    working         -> running (Wait for the server's poll interval)
+    working         -> running (the next poll is due at the server's interval)
     input_required  -> waiting_input (the owner's answer goes back with tasks/update)
     completed       -> succeeded (a tool-level error: failed, its result kept)
     failed          -> failed
     cancelled       -> cancelled
     gone / expired  -> failed, saying so
 
-A poll that errors backs off; after DEGRADED_AFTER errors in a row the task is
-flagged `tracking_degraded` (cleared by the next good poll). A cancel request runs
-`cancel_step` instead: tasks/cancel, then polls until the remote confirms or is gone,
-or until LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS pass, so a cancel always ends.
+A poll that errors backs off; after DEGRADED_AFTER errors in a row the task is flagged
+`tracking_degraded` (cleared by the next good poll). A poll that learns nothing new writes no
+checkpoint and counts no step; a remote task is bounded by its wall time, not max_steps. A cancel
+request runs `cancel_step` rounds instead: tasks/cancel, then polls until the remote confirms
+or is gone, or until LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS pass, so a cancel always ends; a poll
+answered after the request is never acted on. A task that ends otherwise (its budget, an
+error) requests one tasks/cancel in the transaction that ends it (`abandon`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import logging
 from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
@@ -32,21 +36,25 @@ from django.conf import settings
 
 from tasks import clock
 from tasks.context import StepContext
-from tasks.drivers import Ask, Finish, Outcome, PartialResult, Wait
-from tasks.errors import InvalidInput, PermanentError, RemoteCancelled, RemoteFailed, TransientError
+from tasks.drivers import Ask, Continue, Finish, OpRequest, Outcome, PartialResult
+from tasks.errors import InvalidInput, PermanentError, RemoteCancelled, RemoteFailed, StepError
 from tasks.events import NewEvent
-from tasks.mcp import client, config
+from tasks.mcp import calls, client, config
 from tasks.models import Operation, Task, Tenant
-from tasks.statuses import OperationStatus
+from tasks.operations import OpOutcome
+from tasks.statuses import ErrorClass, OperationStatus
 
-log = logging.getLogger(__name__)
 DEGRADED_AFTER = 3
-ABANDON_TIMEOUT_S = 10.0
 GONE = "the remote task is gone: the MCP server no longer knows it (its time to live may have passed)"
-MAYBE_STARTED = ("the MCP server did not answer the tool call, so it may or may not have started the tool; "
-                 "it was not called again, so that it cannot run twice")
+MAYBE_STARTED = calls.MAYBE_STARTED
 MAX_ARGUMENTS_BYTES = 64_000
-SUBMIT = "mcp.call_tool"
+LEGACY_SUBMIT = "mcp.call_tool"  # the submission's ledger entry when steps called the server themselves
+
+
+class GaveUp(StepError):
+    """The server stayed unreachable through the retries the gateway made within the task's budget."""
+
+    error_class = ErrorClass.TRANSIENT
 
 
 class McpDriver:
@@ -79,63 +87,70 @@ class McpDriver:
         return {"server": name, "tool": tool, "arguments": arguments}
 
     def initial_state(self, task_input: dict[str, Any]) -> dict[str, Any]:
-        return {"remote": None, "errors": 0, "degraded": False, "message": "", "asked": [], "poll_ms": None}
+        # awaiting: the call the last step requested, whose outcome the next step reads
+        # (None, "call", "poll", "update"; in cancel rounds "cancel", "cancel_poll").
+        return {"remote": None, "errors": 0, "degraded": False, "message": "", "asked": [], "poll_ms": None,
+                "awaiting": None}
 
     # --- steps ------------------------------------------------------------------------
 
     def step(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
-        server = self._server(ctx)
+        _server_config(ctx.task)  # still configured for this workspace (the file, not the network)
+        awaiting = state.get("awaiting")
+        if awaiting == "call":
+            return self._after_call(state, ctx, _awaited(ctx))
         if state["remote"] is None:
-            return self._submit(state, ctx, server)
+            return self._submit(state, ctx)
+        if awaiting == "update":
+            return self._after_update(state, ctx, _awaited(ctx))
+        if awaiting == "poll":
+            return self._after_poll(state, ctx, _awaited(ctx))
         if state["asked"]:
-            return self._send_answer(state, ctx, server)
-        try:
-            remote = client.get_task(server, state["remote"])
-        except client.RemoteTaskNotFound as exc:
-            raise PermanentError(GONE, detail=str(exc)) from None
-        except client.McpError as exc:
+            return self._send_answer(state, ctx)
+        return self._poll(state, ctx, at=None)  # nothing out (a checkpoint from before calls were operations)
+
+    def _submit(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
+        spec = ctx.input
+        legacy = Operation.objects.filter(task_id=ctx.task.pk, name=LEGACY_SUBMIT).first()
+        if legacy is not None:
+            # Submitted by a step that called the server itself (before an upgrade): never a second time.
+            finished = legacy.status == OperationStatus.SUCCEEDED
+            return self._after_call(state, ctx, OpOutcome(
+                name=calls.CALL_TOOL, args=spec, ok=finished, result=legacy.result, error_class="",
+                error_message="", usage={}, finished=finished))
+        request = calls.call_tool(spec["server"], spec["tool"], spec["arguments"])
+        return Continue({**state, "awaiting": "call"}, [], [request])
+
+    def _after_call(self, state: dict[str, Any], ctx: StepContext, outcome: OpOutcome | None) -> Outcome:
+        spec = ctx.input
+        if outcome is None or not outcome.finished:
+            raise PermanentError(MAYBE_STARTED, detail="the tool call's outcome is missing")
+        if not outcome.ok:
+            if outcome.error_class == ErrorClass.TRANSIENT:  # provably not sent, each time the gateway tried
+                raise GaveUp(f"gave up: {outcome.error_message}")
+            if outcome.error_class == ErrorClass.PERMANENT:  # the server's answer, classified by the gateway
+                raise PermanentError(outcome.error_message)
+            # Its gateway job died, or ran out of time: MCP cannot tell whether the tool started.
+            raise PermanentError(MAYBE_STARTED, detail=outcome.error_message)
+        if "completed" in outcome.result:
+            return self._finish(state, outcome.result["completed"])
+        remote = outcome.result["task"]
+        ctx.emit("remote_started", tool=spec["tool"], server=spec["server"])
+        return self._follow({**state, "remote": remote["task_id"], "awaiting": None}, ctx, remote)
+
+    def _after_poll(self, state: dict[str, Any], ctx: StepContext, outcome: OpOutcome | None) -> Outcome:
+        if outcome is None or not outcome.finished:
+            return self._poll(state, ctx, at=None)
+        if not outcome.ok:
             # A poll only reads: whatever failed (network, a 401 after a token rotation, a malformed
             # answer), back off and try again; the owner sees "tracking degraded" and may cancel.
-            return self._poll_failed(state, ctx, exc)
-        # A poll answered after a cancel request is not acted on (DESIGN §10): stop here, unwritten.
-        ctx.check_safe_point(force=True)
-        return self._follow(state, ctx, remote)
+            state, events, delay, degraded = _backed_off(state, outcome)
+            return self._poll(state, ctx, at=clock.now() + delay, events=events, degraded=degraded)
+        if "gone" in outcome.result:
+            raise PermanentError(GONE, detail=outcome.result["gone"])
+        return self._follow(state, ctx, outcome.result["task"])
 
-    def _submit(self, state: dict[str, Any], ctx: StepContext, server: client.ServerConfig) -> Outcome:
-        spec = ctx.input
-
-        def call() -> dict[str, Any]:
-            try:
-                answer = client.call_tool(server, spec["tool"], spec["arguments"])
-            except client.NotSent as exc:
-                raise TransientError("the MCP server could not be reached; trying again", detail=str(exc)) from None
-            except client.RemoteUnavailable as exc:
-                raise PermanentError(MAYBE_STARTED, detail=str(exc)) from None
-            except client.ToolNotFound as exc:
-                raise PermanentError(f"the MCP server has no tool {spec['tool']!r}", detail=str(exc)) from None
-            except client.McpError as exc:
-                # Its words help the owner fix the arguments; no remote task exists yet to leak an id of.
-                raise PermanentError(f"the MCP server refused the tool call: {exc}"[:500], detail=str(exc)) from None
-            if isinstance(answer, client.Completed):
-                return {"completed": _tool_result(answer.result)}
-            return {"task": _remote_task(answer.task)}
-
-        def died_during_the_call() -> None:
-            # MCP cannot tell whether a call whose answer was lost started the tool: rather than risk
-            # running it twice, stop and say so.
-            raise PermanentError(MAYBE_STARTED)
-
-        outcome = ctx.operation(SUBMIT, call, args=spec, kind="tool", side_effect=True, verify=died_during_the_call)
-        if "completed" in outcome:
-            return self._finish(state, outcome["completed"])
-        remote = outcome["task"]
-        ctx.emit("remote_started", tool=spec["tool"], server=spec["server"])
-        state = {**state, "remote": remote["task_id"]}
-        return self._follow(state, ctx, remote)
-
-    def _follow(self, state: dict[str, Any], ctx: StepContext, remote: dict[str, Any] | client.RemoteTask) -> Outcome:
-        if isinstance(remote, client.RemoteTask):
-            remote = _remote_task(remote)
+    def _follow(self, state: dict[str, Any], ctx: StepContext, remote: dict[str, Any]) -> Outcome:
         events: list[NewEvent] = []
         if state["degraded"]:
             events.append(NewEvent("tracking_restored", {}))
@@ -147,7 +162,7 @@ class McpDriver:
         status = remote["status"]
         if status == "completed" and remote["result"] is None:
             # A tools/call handle carries no result, even for a task that is already done.
-            return Wait(state, clock.now(), events, tracking_degraded=False)
+            return self._poll(state, ctx, at=None, events=events, degraded=False)
         if status == "completed":
             return self._finish(state, remote["result"], events)
         if status == "failed":
@@ -157,11 +172,17 @@ class McpDriver:
         if status == "input_required" and remote["input_requests"]:
             asked = remote["input_requests"]
             question = "\n".join(r["message"] for r in asked if r["message"]) or "The remote tool needs your input."
-            return Ask({**state, "asked": asked}, question, events)
-        return Wait(state, clock.now() + _poll_interval(remote["poll_interval_ms"]), events,
-                    tracking_degraded=False)
+            return Ask({**state, "asked": asked, "awaiting": None}, question, events)
+        return self._poll(state, ctx, at=clock.now() + _poll_interval(remote["poll_interval_ms"]), events=events,
+                          degraded=False)
 
-    def _send_answer(self, state: dict[str, Any], ctx: StepContext, server: client.ServerConfig) -> Outcome:
+    def _poll(self, state: dict[str, Any], ctx: StepContext, *, at: datetime | None,
+              events: list[NewEvent] | None = None, degraded: bool | None = None) -> Continue:
+        """Request the next tasks/get, due `at` (None: now); the task waits on it meanwhile."""
+        request = calls.get(ctx.input["server"], state["remote"], at=at)
+        return Continue({**state, "awaiting": "poll"}, events or [], [request], tracking_degraded=degraded)
+
+    def _send_answer(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
         if not ctx.answer:
             return Ask(state, "\n".join(r["message"] for r in state["asked"]) or "The remote tool needs your input.")
         requests = [client.InputRequest(key=r["key"], method=r["method"], message=r["message"], schema=r["schema"],
@@ -171,42 +192,25 @@ class McpDriver:
         except client.McpError as exc:
             raise PermanentError("the remote tool asked for input Longhaul cannot give as text",
                                  detail=str(exc)) from None
+        update = calls.update(ctx.input["server"], state["remote"], responses)
+        return Continue({**state, "awaiting": "update"}, [], [update])
 
-        def update() -> dict[str, Any]:
-            try:
-                client.update_task(server, state["remote"], responses)
-            except client.RemoteUnavailable as exc:
-                # Safe to send again: a server ignores responses to questions no longer open.
-                raise TransientError("the MCP server could not be reached; trying again", detail=str(exc)) from None
-            except client.McpError as exc:
-                # The spec's "invalid params" covers both a gone task and a refused answer.
-                raise PermanentError("the remote tool refused the answer, or no longer knows the task",
-                                     detail=str(exc)) from None
-            return {"sent": sorted(responses)}
-
-        ctx.operation("mcp.tasks_update", update, args={"remote": state["remote"], "responses": responses},
-                      kind="tool", side_effect=True)
-        return Wait({**state, "asked": []}, clock.now() + _poll_interval(state.get("poll_ms")),
-                    [NewEvent("answer_sent", {})])
-
-    def _poll_failed(self, state: dict[str, Any], ctx: StepContext, exc: client.McpError) -> Wait:
-        errors = state.get("errors", 0) + 1
-        base = _poll_interval(state.get("poll_ms")).total_seconds()
-        delay = min(base * 2 ** min(errors, 16), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS)
-        degraded = errors >= DEGRADED_AFTER
-        events = []
-        if degraded and not state.get("degraded"):
-            # Fixed words: a server's own error text may carry its task id.
-            kind = "not reachable" if isinstance(exc, client.RemoteUnavailable) else "answering with errors"
-            events.append(NewEvent("tracking_degraded", {"errors": errors, "message": f"the MCP server is {kind}"}))
-        state = {**state, "errors": errors, "degraded": degraded}
-        return Wait(state, clock.now() + timedelta(seconds=delay), events, tracking_degraded=degraded)
+    def _after_update(self, state: dict[str, Any], ctx: StepContext, outcome: OpOutcome | None) -> Outcome:
+        if outcome is None or not outcome.finished:
+            return self._send_answer(state, ctx)  # safe to send again: a server ignores closed questions
+        if not outcome.ok:
+            if outcome.error_class == ErrorClass.TRANSIENT:
+                raise GaveUp(f"gave up: {outcome.error_message}")
+            raise PermanentError(outcome.error_message)
+        state = {**state, "asked": []}
+        return self._poll(state, ctx, at=clock.now() + _poll_interval(state.get("poll_ms")),
+                          events=[NewEvent("answer_sent", {})])
 
     def _finish(self, state: dict[str, Any], result: dict[str, Any], events: list[NewEvent] | None = None) -> Finish:
         if result["is_error"]:
             raise RemoteFailed(f"the tool reported an error: {result['summary'][:300] or 'no message'}",
                                result=result)
-        return Finish(state, result, events or [])
+        return Finish({**state, "awaiting": None}, result, events or [])
 
     def partial_result(self, state: dict[str, Any]) -> PartialResult | None:
         return None  # a remote tool's work is all or nothing
@@ -216,58 +220,58 @@ class McpDriver:
     def remote_to_cancel(self, task_id: int, state: dict[str, Any] | None) -> bool:
         return _remote_id(task_id, state) is not None
 
-    def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Wait | None:
-        """One round of remote cancellation; None once the remote stopped or is gone, or the
-        time to confirm ran out (measured from the first round, after at least one attempt)."""
+    def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Continue | None:
+        """One round of remote cancellation: read the last round's call, request the next (tasks/cancel
+        once, then polls). No requests once the remote stopped or is gone, or the time to confirm ran out
+        (measured from the first round, after at least one attempt); None when there is no remote task."""
         remote_id = _remote_id(ctx.task.pk, state)
         if remote_id is None:
             return None
         now = clock.now()
         state = {**self.initial_state(ctx.input), **state, "remote": remote_id}
+        awaiting = state.get("awaiting")
+        # A step's call still out when the cancel came (a poll, say) is never read: only the rounds' own are.
+        outcome = _awaited(ctx) if awaiting in ("cancel", "cancel_poll") else None
+        at: datetime | None = None
+        events: list[NewEvent] = []
+        degraded: bool | None = None
+        if outcome is not None and outcome.finished:
+            if not outcome.ok:
+                state, events, delay, degraded = _backed_off(state, outcome)
+                at = now + delay
+            elif awaiting == "cancel":
+                state["cancel_sent"] = True  # or the server did not know the task: the poll tells which
+                events.append(NewEvent("remote_cancel_sent", {}))
+            elif "gone" in outcome.result or outcome.result["task"]["status"] in ("cancelled", "completed", "failed"):
+                return Continue(state, events)  # stopped, one way or another
+            else:
+                state["errors"] = 0
+                at = now + _poll_interval(outcome.result["task"]["poll_interval_ms"])
         started = state.setdefault("cancel_started", now.isoformat())
         out_of_time = now - datetime.fromisoformat(started) > timedelta(
             seconds=settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS)
         if out_of_time and state.get("cancel_tries", 0) > 0:
-            ctx.emit("remote_cancel_unconfirmed",
-                     message="the remote server did not confirm the cancel; it may still be running")
-            return None
+            events.append(NewEvent("remote_cancel_unconfirmed", {
+                "message": "the remote server did not confirm the cancel; it may still be running"}))
+            return Continue(state, events)
         try:
-            server = self._server(ctx)
+            _server_config(ctx.task)
         except PermanentError:
-            ctx.emit("remote_cancel_unconfirmed", message="the MCP server is no longer configured")
-            return None
+            events.append(NewEvent("remote_cancel_unconfirmed", {"message": "the MCP server is no longer configured"}))
+            return Continue(state, events)
         state["cancel_tries"] = state.get("cancel_tries", 0) + 1
-        try:
-            if not state.get("cancel_sent"):
-                try:
-                    client.cancel_task(server, remote_id)
-                except client.RemoteTaskNotFound:
-                    pass  # or a refusal: the status below tells which
-                state["cancel_sent"] = True
-                ctx.emit("remote_cancel_sent")
-            remote = client.get_task(server, remote_id)
-        except client.RemoteTaskNotFound:
-            return None
-        except client.McpError as exc:
-            return self._poll_failed(state, ctx, exc)
-        if remote.status in ("cancelled", "completed", "failed"):
-            return None
-        return Wait({**state, "errors": 0}, now + _poll_interval(remote.poll_interval_ms))
+        server = ctx.input["server"]
+        if not state.get("cancel_sent"):
+            request, awaiting = calls.cancel(server, remote_id, at=at), "cancel"
+        else:
+            request, awaiting = calls.get(server, remote_id, at=at), "cancel_poll"
+        return Continue({**state, "awaiting": awaiting}, events, [request], tracking_degraded=degraded)
 
-    def abandon(self, task: Task, state: dict[str, Any] | None) -> None:
+    def abandon(self, task: Task, state: dict[str, Any] | None) -> list[OpRequest]:
         remote_id = _remote_id(task.pk, state)
         if remote_id is None or (state or {}).get("cancel_sent"):
-            return
-        try:
-            server = _server_config(task)
-            # Short: the caller holds the task's lease and is about to end it.
-            client.cancel_task(dataclasses.replace(server, timeout_s=min(server.timeout_s, ABANDON_TIMEOUT_S)),
-                               remote_id)
-        except (client.McpError, PermanentError) as exc:
-            log.warning("task %s: could not ask the remote server to stop: %s", task.pk, type(exc).__name__)
-
-    def _server(self, ctx: StepContext) -> client.ServerConfig:
-        return _server_config(ctx.task)
+            return []
+        return [calls.cancel(task.input["server"], remote_id, abandon=True)]
 
 
 def _server_config(task: Task) -> client.ServerConfig:
@@ -277,6 +281,26 @@ def _server_config(task: Task) -> client.ServerConfig:
     return server.config
 
 
+def _awaited(ctx: StepContext) -> OpOutcome | None:
+    """The outcome of the one call the last step (or cancel round) requested."""
+    outcomes = ctx.requested_outcomes()
+    return outcomes[-1] if outcomes else None
+
+
+def _backed_off(state: dict[str, Any], outcome: OpOutcome) -> tuple[dict[str, Any], list[NewEvent], timedelta, bool]:
+    """After a failed poll: the state, events, the delay before the next one, and whether tracking is degraded."""
+    errors = state.get("errors", 0) + 1
+    base = _poll_interval(state.get("poll_ms")).total_seconds()
+    delay = min(base * 2 ** min(errors, 16), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS)
+    degraded = errors >= DEGRADED_AFTER
+    events = []
+    if degraded and not state.get("degraded"):
+        # Fixed words: a server's own error text may carry its task id.
+        kind = "not reachable" if outcome.error_class == ErrorClass.TRANSIENT else "answering with errors"
+        events.append(NewEvent("tracking_degraded", {"errors": errors, "message": f"the MCP server is {kind}"}))
+    return {**state, "errors": errors, "degraded": degraded}, events, timedelta(seconds=delay), degraded
+
+
 def _poll_interval(server_ms: int | None) -> timedelta:
     """The server's poll interval within our floor and ceiling."""
     floor, ceiling = settings.LONGHAUL_MCP_POLL_FLOOR_MS, settings.LONGHAUL_MCP_POLL_CEILING_MS
@@ -284,43 +308,13 @@ def _poll_interval(server_ms: int | None) -> timedelta:
 
 
 def _remote_id(task_id: int, state: dict[str, Any] | None) -> str | None:
-    """The remote task id from the checkpoint, or from the submission's ledger entry when the step
-    that submitted was stopped before its checkpoint was written."""
+    """The remote task id from the checkpoint, or from the tools/call's outcome when no step has read it
+    yet (a cancel came while the call was out, or the task ended meanwhile)."""
     if state and state.get("remote"):
         return str(state["remote"])
-    submitted = (Operation.objects.filter(task_id=task_id, name=SUBMIT, status=OperationStatus.SUCCEEDED)
+    submitted = (Operation.objects.filter(task_id=task_id, name__in=(calls.CALL_TOOL, LEGACY_SUBMIT),
+                                          status=OperationStatus.SUCCEEDED)
                  .values_list("result", flat=True).first())
     if isinstance(submitted, dict) and "task" in submitted:
         return str(submitted["task"]["task_id"])
     return None
-
-
-def _remote_task(task: client.RemoteTask) -> dict[str, Any]:
-    return {
-        "task_id": task.task_id,
-        "status": task.status,
-        "status_message": task.status_message or "",
-        "poll_interval_ms": task.poll_interval_ms,
-        "result": _tool_result(task.result) if task.result is not None else None,
-        "error": task.error,
-        "input_requests": [{"key": r.key, "method": r.method, "message": r.message, "schema": r.schema, "raw": r.raw}
-                           for r in task.input_requests],
-    }
-
-
-def _tool_result(result: client.ToolResult | None) -> dict[str, Any]:
-    """What the task keeps of a tool's result: the text up to a limit, a preview, and whether it was cut."""
-    text = result.text if result else ""
-    limit = settings.LONGHAUL_MCP_RESULT_MAX_CHARS
-    preview_chars = settings.LONGHAUL_MCP_RESULT_PREVIEW_CHARS
-    structured = result.structured if result else None
-    if structured is not None and len(json.dumps(structured)) > limit:
-        structured = None
-    return {
-        "summary": text[:preview_chars],  # the preview: what the panel and the chat show first
-        "text": text[:limit],
-        "chars": len(text),
-        "truncated": len(text) > limit,
-        "structured": structured,
-        "is_error": bool(result and result.is_error),
-    }

@@ -1,9 +1,11 @@
 """The requester side of the MCP Tasks extension (io.modelcontextprotocol/tasks, 2026-07-28); the only module
 that speaks MCP.
 
-Each public function is synchronous (for a worker thread with no event loop), opens one session to the
-server, sends its request(s), closes, and finishes within the server's `timeout_s`. Failures raise one of
-the `McpError` subclasses below; callers decide retry or failure by type.
+Each request has an async function (`call_tool_async`...), which a gateway job awaits on its event loop
+beside its other calls, and a synchronous twin (`call_tool`...) for code with no event loop (the chat
+agent's tool list, tests). Each opens one session to the server, sends its request(s), closes, and
+finishes within the server's `timeout_s`. Failures raise one of the `McpError` subclasses below; callers
+decide retry or failure by type.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class _TasksExtension(ClientExtension):
 # --- public API ----------------------------------------------------------------------------------------
 
 
-def call_tool(server: ServerConfig, tool: str, arguments: dict[str, Any]) -> Completed | Created:
+async def call_tool_async(server: ServerConfig, tool: str, arguments: dict[str, Any]) -> Completed | Created:
     """Call `tool`; the server answers with a plain result or a task handle to poll."""
 
     async def call(client: Client) -> Completed | Created:
@@ -160,43 +162,44 @@ def call_tool(server: ServerConfig, tool: str, arguments: dict[str, Any]) -> Com
 
     sent: list[bool] = []
     try:
-        return _run(server, f"tools/call {tool}", call)
+        return await _session(server, f"tools/call {tool}", call)
     except RemoteUnavailable as exc:
         if not sent and not isinstance(exc, NotSent):
             raise NotSent(str(exc)) from exc
         raise
 
 
-def get_task(server: ServerConfig, task_id: str) -> RemoteTask:
+async def get_task_async(server: ServerConfig, task_id: str) -> RemoteTask:
     """The task's current status, with its result, error or input requests inline."""
 
     async def get(client: Client) -> RemoteTask:
-        raw = await client.session.send_request(_TaskRequest(method="tasks/get", params={"taskId": task_id}), _RawResult)
+        request = _TaskRequest(method="tasks/get", params={"taskId": task_id})
+        raw = await client.session.send_request(request, _RawResult)
         return _remote_task(server, raw)
 
-    return _run(server, "tasks/get", get)
+    return await _session(server, "tasks/get", get)
 
 
-def update_task(server: ServerConfig, task_id: str, responses: dict[str, dict[str, Any]]) -> None:
+async def update_task_async(server: ServerConfig, task_id: str, responses: dict[str, dict[str, Any]]) -> None:
     """Answer the task's outstanding input requests (`responses` keyed like `InputRequest.key`)."""
     request = _TaskRequest(method="tasks/update", params={"taskId": task_id, "inputResponses": responses})
 
     async def update(client: Client) -> None:
         await client.session.send_request(request, _RawResult)
 
-    _run(server, "tasks/update", update)
+    await _session(server, "tasks/update", update)
 
 
-def cancel_task(server: ServerConfig, task_id: str) -> None:
+async def cancel_task_async(server: ServerConfig, task_id: str) -> None:
     """Ask the server to cancel the task; cancellation is cooperative, so poll to see what happened."""
 
     async def cancel(client: Client) -> None:
         await client.session.send_request(_TaskRequest(method="tasks/cancel", params={"taskId": task_id}), _RawResult)
 
-    _run(server, "tasks/cancel", cancel)
+    await _session(server, "tasks/cancel", cancel)
 
 
-def list_tools(server: ServerConfig) -> list[dict[str, Any]]:
+async def list_tools_async(server: ServerConfig) -> list[dict[str, Any]]:
     """The server's tools as {name, description, inputSchema}, for the chat agent."""
 
     async def list_(client: Client) -> list[dict[str, Any]]:
@@ -208,7 +211,30 @@ def list_tools(server: ServerConfig) -> list[dict[str, Any]]:
             if not (cursor := page.next_cursor):
                 return tools
 
-    return _run(server, "tools/list", list_)
+    return await _session(server, "tools/list", list_)
+
+
+# The synchronous twins, for code with no event loop: anyio.run fails inside a running loop, which is our bug.
+
+
+def call_tool(server: ServerConfig, tool: str, arguments: dict[str, Any]) -> Completed | Created:
+    return anyio.run(call_tool_async, server, tool, arguments)
+
+
+def get_task(server: ServerConfig, task_id: str) -> RemoteTask:
+    return anyio.run(get_task_async, server, task_id)
+
+
+def update_task(server: ServerConfig, task_id: str, responses: dict[str, dict[str, Any]]) -> None:
+    anyio.run(update_task_async, server, task_id, responses)
+
+
+def cancel_task(server: ServerConfig, task_id: str) -> None:
+    anyio.run(cancel_task_async, server, task_id)
+
+
+def list_tools(server: ServerConfig) -> list[dict[str, Any]]:
+    return anyio.run(list_tools_async, server)
 
 
 def answer_for(request: InputRequest, text: str) -> dict[str, Any]:
@@ -226,26 +252,22 @@ def answer_for(request: InputRequest, text: str) -> dict[str, Any]:
 # --- plumbing ------------------------------------------------------------------------------------------
 
 
-def _run(server: ServerConfig, what: str, body: Callable[[Client], Awaitable[_T]]) -> _T:
+async def _session(server: ServerConfig, what: str, body: Callable[[Client], Awaitable[_T]]) -> _T:
+    """One session to the server running `body`, within `timeout_s`; failures classified as McpError."""
     http_statuses: list[int] = []  # error statuses seen, which the SDK folds into one JSON-RPC code
-
-    async def session() -> _T:
-        try:
-            with anyio.fail_after(server.timeout_s):
-                client = Client(_transport(server, http_statuses), extensions=[_TasksExtension()], cache=None,
-                                read_timeout_seconds=server.timeout_s)
-                async with client:
-                    return await body(client)
-        except McpError:
+    try:
+        with anyio.fail_after(server.timeout_s):
+            client = Client(_transport(server, http_statuses), extensions=[_TasksExtension()], cache=None,
+                            read_timeout_seconds=server.timeout_s)
+            async with client:
+                return await body(client)
+    except McpError:
+        raise
+    except Exception as exc:
+        error = _classify(server, what, exc, http_statuses[-1] if http_statuses else None)
+        if error is None:
             raise
-        except Exception as exc:
-            error = _classify(server, what, exc, http_statuses[-1] if http_statuses else None)
-            if error is None:
-                raise
-            raise error from exc
-
-    # Outside the classification on purpose: anyio.run failing (say, inside a running loop) is our bug.
-    return anyio.run(session)
+        raise error from exc
 
 
 @asynccontextmanager

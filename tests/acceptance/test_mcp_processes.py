@@ -1,5 +1,6 @@
-"""Remote MCP tasks on a real qcluster: a worker killed in the middle of a poll is replaced,
-and polling resumes from the checkpoint without submitting the tool call again."""
+"""Remote MCP tasks on a real qcluster: a worker killed in the middle of a poll (a gateway job running
+the tasks/get operation) is replaced, the poll is taken over, and polling goes on without submitting
+the tool call again."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 from django.db import connection
 
 from tasks import actions
-from tasks.models import Task, TaskEvent
-from tasks.statuses import TERMINAL, TaskStatus
+from tasks.models import Operation, Task
+from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
 from tests.acceptance.test_worker_crash import FAST_RECOVERY
 from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, calls, write_servers_file
 from tests.processes import qcluster, wait_until
@@ -31,30 +32,38 @@ def test_a_worker_killed_mid_poll_resumes_polling_without_a_second_submission(ac
             kind="mcp", name="render", input={"server": SERVER_NAME, "tool": "slow_report", "arguments": {
                 # Each poll takes a while, so a worker can be caught in the middle of one.
                 "topic": "renders", "seconds": 8, "poll_ms": 100, "get_delay_ms": 700}}))
-        env = {**FAST_RECOVERY, "LONGHAUL_MCP_SERVERS": config, "LONGHAUL_MCP_POLL_FLOOR_MS": "50"}
+        env = {**FAST_RECOVERY, "LONGHAUL_MCP_SERVERS": config, "LONGHAUL_MCP_POLL_FLOOR_MS": "50",
+               # A poll whose gateway job died is taken over when its lease runs out; the job's timeout
+               # covers its slice plus one lease.
+               "LONGHAUL_OPERATION_LEASE_SECONDS": "6", "LONGHAUL_GATEWAY_SLICE_SECONDS": "1",
+               "LONGHAUL_Q_TIMEOUT": "10", "LONGHAUL_Q_RETRY": "12"}
         with qcluster(log_dir, workers=2, **env) as cluster:
-            def polling_worker() -> int | None:
+            def polling_worker() -> tuple[int, int] | None:
+                """(pid, operation) of a worker mid-poll: a gateway job running one of the task's tasks/get."""
                 connection.close()
-                row = Task.objects.filter(pk=task.pk).values("lease_owner", "current_step").first()
-                if row["current_step"] < 2 or not row["lease_owner"]:
+                row = (Operation.objects.filter(task=task, name="tasks/get", status=OperationStatus.STARTED)
+                       .values("pk", "lease_owner").first())
+                if row is None:
                     return None  # not yet past the submission, or between polls
                 pid = int(row["lease_owner"].rsplit(":", 1)[1])
-                return pid if pid in cluster.descendants() else None
+                return (pid, row["pk"]) if pid in cluster.descendants() else None
 
-            caught: list[int] = []
+            caught: list[tuple[int, int]] = []
 
             def catch_one() -> bool:
-                pid = polling_worker()
-                if pid:
-                    caught.append(pid)
-                return bool(pid)
+                found = polling_worker()
+                if found:
+                    caught.append(found)
+                return bool(found)
 
             wait_until(catch_one, timeout=60, interval=0.05, message="a worker mid-poll")
-            os.kill(caught[0], signal.SIGKILL)
+            os.kill(caught[0][0], signal.SIGKILL)
             wait_until(lambda: Task.objects.get(pk=task.pk).status in TERMINAL, timeout=90, interval=0.3,
                        message="the task to end")
         task.refresh_from_db()
         assert task.status == TaskStatus.SUCCEEDED, (task.error_class, task.error_message)
         assert "renders" in task.result["summary"]
         assert calls(state).get("tools/call:slow_report") == 1, "the tool was submitted once"
-        assert TaskEvent.objects.filter(task=task, kind="recovered").exists(), "the killed poll was taken over"
+        killed_poll = Operation.objects.get(pk=caught[0][1])
+        assert killed_poll.attempts == 2 and killed_poll.status == OperationStatus.SUCCEEDED, \
+            "the killed poll was taken over"

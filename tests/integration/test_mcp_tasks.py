@@ -9,15 +9,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from django.db import connection
 
 from chat.models import Message, Thread
-from tasks import actions, clock, jobs
+from tasks import actions, clock, jobs, operations
 from tasks.mcp import client
-from tasks.context import digest
 from tasks.models import Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
 from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, calls, write_servers_file
@@ -73,13 +73,17 @@ def ended(task: Task) -> bool:
 
 
 def follow(task: Task, *, until: Callable[[Task], bool] = ended, timeout: float = 40) -> Task:
-    """Run the task's steps as a worker would, when each is due, until `until` holds."""
+    """Run the task as a cluster would, until `until` holds: its steps when each is due, and gateway
+    jobs for the MCP calls they request when those are due (all of them before it returns)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         task.refresh_from_db()
-        if until(task):
+        calls_due = operations.due_exists(clock.now())
+        if until(task) and not calls_due:
             return task
-        if task.status in (TaskStatus.RUNNING, TaskStatus.RETRY_WAIT) and task.next_run_at \
+        if calls_due:
+            operations.run_due(run_for=0.1)
+        elif task.status in (TaskStatus.RUNNING, TaskStatus.RETRY_WAIT) and task.next_run_at \
                 and task.next_run_at <= clock.now():
             jobs.advance(task.pk)
         else:
@@ -274,9 +278,11 @@ def test_a_submission_whose_worker_died_mid_call_is_not_sent_again(http_remote, 
     """The ledger says the call started and never finished: MCP cannot tell whether the tool
     started, so the task fails saying so instead of calling it a second time."""
     task = submit(acme, alice, "slow_report", topic="t", seconds=1)
-    Operation.objects.create(task=task, key=f"{task.pk}:0:0", step=0, n=0, kind="tool", name="mcp.call_tool",
-                             args_digest=digest(task.input), has_side_effects=True, fencing_token=0,
-                             status=OperationStatus.STARTED, started_at=clock.now())
+    jobs.advance(task.pk)  # the first step requests the tools/call
+    # A gateway job took it and died during the call: its lease ran out.
+    Operation.objects.filter(task=task, name="tools/call").update(
+        status=OperationStatus.STARTED, lease_owner="gateway-that-died:1", attempts=1, started_at=clock.now(),
+        lease_expires_at=clock.now() - timedelta(seconds=1))
     task = follow(task)
     assert task.status == TaskStatus.FAILED
     assert "may or may not have started" in task.error_message
@@ -321,15 +327,15 @@ def test_a_server_that_ignores_cancel_still_ends_the_task_cancelled(http_remote,
 def test_a_poll_answered_after_the_cancel_request_is_discarded(http_remote, acme, alice):
     """The poll is slow and sees the remote task completed; a cancel arrives meanwhile: cancelled wins."""
     task = follow(submit(acme, alice, "slow_report", topic="t", seconds=0.4, get_delay_ms=1_500),
-                  until=lambda t: t.current_step >= 1)
+                  until=lambda t: t.current_step >= 2)  # submitted, and the first poll requested
     time.sleep(0.5)  # the remote task completes; the next poll will say so, slowly
-    task.refresh_from_db()
-    while task.next_run_at > clock.now():
+    poll_due = Operation.objects.get(task=task, name="tasks/get").not_before
+    while poll_due > clock.now():
         time.sleep(0.02)
 
     def poll() -> None:
         try:
-            jobs.advance(task.pk)
+            operations.run_due(run_for=0.1)  # the gateway job that runs the poll
         finally:
             connection.close()
 
