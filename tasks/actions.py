@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from tasks import clock, kicks, notifications, runner, scheduling, transitions
+from tasks import clock, kicks, notifications, scheduling, stopping, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drivers import get_driver
@@ -262,7 +262,7 @@ def _act_on_stop_request(task: Task, *, now) -> None:
         kicks.kick("advance", task.pk, at=task.lease_expires_at + timedelta(milliseconds=500))
         return
     if task.status != TaskStatus.PAUSED or task.cancel_requested_at:
-        runner.stop_as_requested(task, now=now)
+        stopping.stop_as_requested(task, now=now)
 
 
 def _require_dict(value: Any, field: str) -> dict:

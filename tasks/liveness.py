@@ -202,7 +202,7 @@ def _make_due(tasks: list[Task], now: datetime, why: str) -> Iterator[tuple[Task
 
 
 def _stop(tasks: list[Task], now: datetime) -> Iterator[tuple[Task, str]]:
-    from tasks.runner import stop_as_requested
+    from tasks.stopping import stop_as_requested
 
     for task in tasks:
         with transaction.atomic():

@@ -19,6 +19,7 @@ from django.conf import settings
 from django.db import transaction
 
 from tasks import clock, kicks, leases, operations, transitions
+from tasks.stopping import must_win, driver_or_none, latest_checkpoint, stop_as_requested
 from tasks.budgets import Budget, retry_at
 from tasks.context import StepContext
 from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, RemoteCancelling, get_driver, remote_cancelling
@@ -63,7 +64,7 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
     token = task.fencing_token
     now = clock.now()
     if task.cancel_requested_at:
-        remote = remote_cancelling(_driver_or_none(task.kind))
+        remote = remote_cancelling(driver_or_none(task.kind))
         if remote is not None:
             checkpoint = latest_checkpoint(task)
             if remote.remote_to_cancel(task.pk, checkpoint.state if checkpoint else None):
@@ -128,10 +129,6 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
     return _commit(task, token, driver, outcome, ctx, keep_lease=keep, state_before=state)
 
 
-def latest_checkpoint(task: Task) -> Checkpoint | None:
-    return Checkpoint.objects.filter(task_id=task.pk).order_by("-step").first()
-
-
 def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,
             keep_lease: bool, state_before: dict | None = None) -> Task | None:
     now = clock.now()
@@ -151,17 +148,17 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                                       state=outcome.state, schema_version=driver.schema_version, at=now)
         if isinstance(outcome, Finish):
             # A late cancel loses to a finished result: the work is done and recorded.
-            _won(transitions.succeed(fresh, token=token, now=now, result=outcome.result, events=events))
+            must_win(transitions.succeed(fresh, token=token, now=now, result=outcome.result, events=events))
             return None
         stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
         if isinstance(outcome, Ask) and not stop_requested:
-            _won(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events))
+            must_win(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events))
             return None
         if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
             _wait_for_requests(fresh, token, outcome, events, now=now, step_done=not quiet)
             return None
         keep = keep_lease or stop_requested
-        _won(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep and not isinstance(outcome, Ask),
+        must_win(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep and not isinstance(outcome, Ask),
                                      events=events))
         if stop_requested:
             stop_as_requested(fresh, now=now, token=token)
@@ -180,11 +177,11 @@ def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[N
                              step=None if step_done else task.current_step - 1)
     if any(r.kind == "mcp" for r in outcome.requests):
         # The remote tool is working: the task says running while its calls (and polls) are out.
-        _won(transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
+        must_win(transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
                                          tracking_degraded=outcome.tracking_degraded))
     else:
         tool = any(r.kind == "tool" for r in outcome.requests)
-        _won(transitions.wait_for_operations(task, token=token, now=now, tool=tool, events=events,
+        must_win(transitions.wait_for_operations(task, token=token, now=now, tool=tool, events=events,
                                              step_done=step_done))
     kicks.kick("operations", task.pk, at=due)
 
@@ -212,7 +209,7 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
             events = [*ctx.events, *(outcome.events if outcome else [])]
             if events:
                 append(fresh, events, status=fresh.status, at=now)
-            _won(transitions.cancel(fresh, now=now, token=token))
+            must_win(transitions.cancel(fresh, now=now, token=token))
             return None
         events = [*ctx.events, *outcome.events]
         if outcome.state != state or events:
@@ -226,7 +223,7 @@ def _defer(task: Task, token: int, *, reason: str) -> None:
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        _won(transitions.defer(fresh, token=token, now=now, until=now + DEFER_FOR, reason=reason))
+        must_win(transitions.defer(fresh, token=token, now=now, until=now + DEFER_FOR, reason=reason))
     return None
 
 
@@ -243,19 +240,13 @@ def _wait_again(task: Task, token: int) -> bool:
         if not operations.unfinished(task.pk, step):
             return False
         if operations.waits_on(task.pk, step, "mcp"):
-            _won(transitions.wait_for_remote(fresh, token=token, now=now, events=[], step_done=False))
+            must_win(transitions.wait_for_remote(fresh, token=token, now=now, events=[], step_done=False))
         else:
             tool = operations.waits_on_tool(task.pk, step)
-            _won(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=[],
+            must_win(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=[],
                                                  step_done=False))
         kicks.kick("operations", task.pk, at=operations.first_due(task.pk, step, now))
     return True
-
-
-def _won(won: bool) -> None:
-    # The row is locked and fenced: losing here means the row changed under the lock.
-    if not won:
-        raise LeaseLost("transition lost under the row lock")
 
 
 def _stop_at_safe_point(task: Task, token: int, stop: CancelRequested | PauseRequested) -> None:
@@ -265,51 +256,12 @@ def _stop_at_safe_point(task: Task, token: int, stop: CancelRequested | PauseReq
     return None
 
 
-def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) -> None:
-    """End a task that was asked to cancel or pause. A cancel that asked to keep results
-    ends `partial` with what the last checkpoint can deliver. Without a token, only a
-    task nobody holds can be stopped (the transition checks)."""
-    if task.cancel_requested_at:
-        remote = remote_cancelling(_driver_or_none(task.kind))
-        if remote is not None:
-            checkpoint = latest_checkpoint(task)
-            if remote.remote_to_cancel(task.pk, checkpoint.state if checkpoint else None):
-                won = transitions.stop_remote(task, now=now, token=token)
-                if token is not None:
-                    _won(won)
-                if won:
-                    kicks.kick("advance", task.pk)
-                return
-        partial = None
-        if task.cancel_keep_results:
-            checkpoint = latest_checkpoint(task)
-            driver = _driver_or_none(task.kind)
-            if checkpoint is not None and driver is not None:
-                partial = driver.partial_result(checkpoint.state)
-        if partial is not None:
-            won = transitions.finish_partial(task, now=now, token=token, result=partial.result,
-                                             scope=partial.scope, reason="cancelled")
-        else:
-            won = transitions.cancel(task, now=now, token=token)
-    else:
-        won = transitions.pause(task, now=now, token=token)
-    if token is not None:
-        _won(won)
-
-
-def _driver_or_none(kind: str) -> Driver | None:
-    try:
-        return get_driver(kind)
-    except InvalidInput:
-        return None
-
-
 def _end_failed(task: Task, token: int, error_class: str, message: str, detail: str = "",
                 result: dict | None = None) -> None:
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        _won(transitions.fail(fresh, now=now, token=token, error_class=error_class, message=message, detail=detail,
+        must_win(transitions.fail(fresh, now=now, token=token, error_class=error_class, message=message, detail=detail,
                               result=result))
         # Remote work must not outlive the task: a call to stop it, in the fenced end (a worker fenced out
         # raised LeaseLost above, so it never stops its successor's remote job).
@@ -332,11 +284,11 @@ def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, stat
             state = checkpoint.state if checkpoint else None
         partial = driver.partial_result(state) if state else None
         if partial is not None:
-            _won(transitions.finish_partial(fresh, now=now, token=token, result=partial.result,
+            must_win(transitions.finish_partial(fresh, now=now, token=token, result=partial.result,
                                             scope=f"{partial.scope}; stopped by budget ({reason})",
                                             reason="budget_exhausted", step_done=checkpointed))
         else:
-            _won(transitions.fail(fresh, now=now, token=token, error_class=ErrorClass.BUDGET_EXHAUSTED,
+            must_win(transitions.fail(fresh, now=now, token=token, error_class=ErrorClass.BUDGET_EXHAUSTED,
                                   message=f"stopped before any result: {reason}", step_done=checkpointed))
         operations.request_abandon(fresh, now=now)  # in the fenced end, as in _end_failed
     return None
@@ -348,7 +300,7 @@ def _after_error(task: Task, token: int, exc: StepError) -> None:
         now = clock.now()
         with transaction.atomic():
             fresh = leases.lock_fenced(task.pk, token)
-            _won(transitions.cancel(fresh, now=now, token=token, reason=str(exc)))
+            must_win(transitions.cancel(fresh, now=now, token=token, reason=str(exc)))
         return None
     if not exc.retryable:
         return _end_failed(task, token, exc.error_class, str(exc), exc.detail,
@@ -361,7 +313,7 @@ def _after_error(task: Task, token: int, exc: StepError) -> None:
     run_at = retry_at(now, task.retries, hint=hint)
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        _won(transitions.schedule_retry(fresh, token=token, now=now, run_at=run_at,
+        must_win(transitions.schedule_retry(fresh, token=token, now=now, run_at=run_at,
                                         error_class=exc.error_class, message=str(exc)[:500]))
         kicks.kick("advance", task.pk, at=run_at)
     return None
