@@ -302,6 +302,17 @@ def settle_lost_calls(*, now: datetime, limit: int = 100) -> int:
         settled += _finish(op_id, guard=Q(status=OperationStatus.STARTED, lease_expires_at__lt=now), fields={
             "status": OperationStatus.FAILED, "result": None, "error_class": StepTimeout.error_class,
             "error_message": LOST, "finished_at": now, "lease_owner": "", "lease_expires_at": None})
+    # Attempts are bounded here as everywhere: a call whose gateway jobs keep dying during it (one that
+    # kills its process, say) ends failed rather than being claimed forever; its task decides what follows.
+    poison = list(Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_expires_at__lt=now,
+                                           attempts__gte=settings.LONGHAUL_MAX_ATTEMPTS)
+                  .values_list("pk", "attempts")[:limit])
+    for op_id, attempts in poison:
+        log.warning("operation %s: %s gateway jobs died during it; failing it as poison", op_id, attempts)
+        settled += _finish(op_id, guard=Q(status=OperationStatus.STARTED, lease_expires_at__lt=now), fields={
+            "status": OperationStatus.FAILED, "result": None, "error_class": "poison",
+            "error_message": f"gave up after {attempts} attempts whose gateway job never answered",
+            "finished_at": now, "lease_owner": "", "lease_expires_at": None})
     return settled
 
 

@@ -274,3 +274,19 @@ def test_a_deliverer_whose_lease_expired_can_neither_dispatch_nor_fail(acme, ali
     assert notifications.dispatch(second, "d2", now=later)
     task.refresh_from_db()
     assert task.notification_status == NotificationStatus.DISPATCHED
+
+
+def test_a_call_whose_gateway_jobs_keep_dying_ends_failed_and_its_task_moves_on(acme, alice, settings):
+    task = submit_research(acme, alice)
+    jobs.advance(task.pk)  # the plan is requested
+    [op] = Operation.objects.filter(task=task)
+    at = clock.now()
+    for n in range(settings.LONGHAUL_MAX_ATTEMPTS):
+        assert [o.pk for o in operations.claim_batch(owner=f"dies:{n}", limit=10, now=at)] == [op.pk]
+        at += timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS + 1)  # ... its gateway job died
+    assert operations.claim_batch(owner="next:1", limit=10, now=at) == []
+    op.refresh_from_db()
+    assert (op.status, op.error_class, op.attempts) == (OperationStatus.FAILED, "poison",
+                                                       settings.LONGHAUL_MAX_ATTEMPTS)
+    task.refresh_from_db()
+    assert task.next_run_at is not None, "the task's step is due, to read the failure"
