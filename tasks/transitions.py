@@ -161,6 +161,14 @@ def commit_step(
         fields.update(_released())
     if result is not None:
         fields.update(result=result, result_version=task.result_version + 1)
+    return _stay_running(task, token=token, now=now, fields=fields, events=events,
+                         tracking_degraded=tracking_degraded)
+
+
+def _stay_running(task: Task, *, token: int, now: datetime, fields: dict[str, Any], events: list[NewEvent],
+                  tracking_degraded: bool | None) -> bool:
+    """running -> running with `fields`, setting or clearing the remote-tracking flag; a newly degraded
+    tracking is news for the task's thread."""
     newly_degraded = bool(tracking_degraded) and not task.tracking_degraded
     if tracking_degraded is not None:
         fields["tracking_degraded"] = tracking_degraded
@@ -199,15 +207,8 @@ def wait_for_remote(
                               "last_progress_at": now, "stalled_at": None}
     if step_done:
         fields["current_step"] = task.current_step + 1
-    newly_degraded = bool(tracking_degraded) and not task.tracking_degraded
-    if tracking_degraded is not None:
-        fields["tracking_degraded"] = tracking_degraded
-    won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
-    if won and newly_degraded:
-        from tasks import notifications
-
-        notifications.note(task, event="tracking_degraded", now=now)
-    return won
+    return _stay_running(task, token=token, now=now, fields=fields, events=events,
+                         tracking_degraded=tracking_degraded)
 
 
 def wait_input(task: Task, *, token: int, now: datetime, question: str, events: list[NewEvent]) -> bool:

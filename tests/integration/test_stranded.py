@@ -16,34 +16,16 @@ from tasks.models import Alert, Checkpoint, Operation, Task
 from tasks.statuses import NotificationStatus, OperationStatus, TaskStatus
 from tests.factories import submit_sleep
 from tests.integration.chatting import run_queued
+from tests.integration.test_research import run_to_end
+from tests.integration.test_research import submit as submit_research
 
 S = TaskStatus
 pytestmark = pytest.mark.django_db(transaction=True)
-QUESTION = "How does asyncio task cancellation work?"
 
 
 @pytest.fixture(autouse=True)
 def _one_step_per_advance(settings):
     settings.LONGHAUL_STEP_SLICE_MS = 0
-
-
-def submit_research(tenant, user, **extra) -> Task:
-    task, _ = actions.submit(tenant=tenant, user=user, submission=actions.Submission(
-        kind="research", input={"question": QUESTION}, **extra))
-    return task
-
-
-def run_to_end(task: Task, *, max_rounds: int = 80) -> Task:
-    """Advance steps and run gateway batches in-process until the task stops."""
-    for _ in range(max_rounds):
-        task.refresh_from_db()
-        if task.status in (S.SUCCEEDED, S.FAILED, S.PARTIAL, S.CANCELLED, S.PAUSED):
-            return task
-        if task.current_step and operations.unfinished(task.pk, task.current_step - 1):
-            operations.run_due(run_for=5)
-        else:
-            jobs.advance(task.pk)
-    raise AssertionError(f"still {task.status} at step {task.current_step}")
 
 
 def finish_call(op: Operation) -> bool:
