@@ -64,6 +64,24 @@ def task_row(page: Page, name: str) -> Locator:
     return page.locator(".task-row").filter(has=page.locator(".task-name", has_text=re.compile(f"^{re.escape(name)}$")))
 
 
+def record_live_labels(page: Page) -> None:
+    """Keep every word the timeline's live label shows, from now on: a fast task can finish
+    (and its label clear) before an assertion looks, so tests check what was shown instead."""
+    page.evaluate("""() => {
+        window.liveLabelsShown = [];
+        const keep = () => document.querySelectorAll(".live-label").forEach((label) => {
+            const word = label.textContent;
+            if (word && !window.liveLabelsShown.includes(word)) window.liveLabelsShown.push(word);
+        });
+        new MutationObserver(keep).observe(document.body, {subtree: true, childList: true, characterData: true});
+    }""")
+
+
+def expect_live_label_shown(page: Page, word: str, *, timeout: float = 10_000) -> None:
+    """The live label showed `word` at some point since record_live_labels."""
+    page.wait_for_function("(word) => window.liveLabelsShown.includes(word)", arg=word, timeout=timeout)
+
+
 def assistant_messages(page: Page, containing: str | None = None) -> Locator:
     messages = page.locator("#messages .message.from-assistant")
     return messages.filter(has_text=containing) if containing else messages

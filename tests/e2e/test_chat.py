@@ -17,8 +17,8 @@ from tasks.models import Task, TaskEvent, Tenant
 from tasks.statuses import NotificationStatus
 from tests.conftest import make_user
 from tests.e2e.chat_page import (
-    THREAD_URL, api_message_ids, assistant_messages, open_panel, rendered_message_ids, send, sign_in,
-    sign_in_with_cookie, task_row, thread_id_of, wait_until,
+    THREAD_URL, api_message_ids, assistant_messages, expect_live_label_shown, open_panel, record_live_labels,
+    rendered_message_ids, send, sign_in, sign_in_with_cookie, task_row, thread_id_of, wait_until,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -58,11 +58,12 @@ def test_it_researches_from_a_new_thread_and_posts_the_report_with_citations(pag
     row = task_row(page, RESEARCH)
     expect(panel.locator("#active-tasks").locator(".task-name")).to_have_text([RESEARCH], timeout=10_000)
     expect(row.locator(".task-kind")).to_have_text("Research")
+    record_live_labels(page)
     row.get_by_role("button", name=RESEARCH, exact=True).click()
     expect(row.get_by_role("button", name=RESEARCH, exact=True)).to_have_attribute("aria-expanded", "true")
     timeline = row.locator(".timeline")
     expect(timeline).to_contain_text("Planning sub-questions", timeout=10_000)
-    expect(row.locator(".live-label")).to_have_text("Live")
+    expect_live_label_shown(page, "Live")
     expect(timeline).to_contain_text("Read source [1]", timeout=15_000)
     expect(timeline).to_contain_text("Drafting the report", timeout=15_000)
 

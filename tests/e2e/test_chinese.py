@@ -18,8 +18,8 @@ from tasks.models import Task, TaskEvent, Tenant
 from tasks.statuses import NotificationStatus
 from tests.conftest import make_user
 from tests.e2e.chat_page import (
-    THREAD_URL, api_message_ids, assistant_messages, open_panel, rendered_message_ids, send, task_row, thread_id_of,
-    wait_until,
+    THREAD_URL, api_message_ids, assistant_messages, expect_live_label_shown, open_panel, record_live_labels,
+    rendered_message_ids, send, task_row, thread_id_of, wait_until,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("compiled_catalogs"),
@@ -71,10 +71,11 @@ def test_it_researches_and_cancels_in_chinese_with_the_same_behaviour(page: Page
     expect(panel.locator("#active-tasks .task-name")).to_have_text([RESEARCH], timeout=10_000)
     expect(row.locator(".task-kind")).to_have_text("研究")
     expect(row.locator(".task-since")).to_have_text(re.compile(r"^(刚刚开始|.+前开始)$"))
+    record_live_labels(page)
     row.get_by_role("button", name=RESEARCH, exact=True).click()
     timeline = row.locator(".timeline")
     expect(timeline).to_contain_text("正在规划子问题", timeout=10_000)
-    expect(row.locator(".live-label")).to_have_text("实时")
+    expect_live_label_shown(page, "实时")
     expect(row.locator(".timeline-head h4")).to_have_text("时间线")
     expect(timeline).to_contain_text("已阅读来源 [1]", timeout=15_000)
     expect(timeline).to_contain_text("正在根据", timeout=15_000)
