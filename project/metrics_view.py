@@ -1,4 +1,5 @@
-"""GET /metrics: Prometheus text exposition, for staff sessions or the metrics bearer token."""
+"""GET /metrics: Prometheus text exposition, for staff sessions (scoped to their tenants) or the metrics
+bearer token."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from django.views.decorators.http import require_safe
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from tasks import metrics as task_metrics
+from tasks.models import Membership
 
 BEARER = "bearer "
 
@@ -40,4 +42,12 @@ def metrics(request: HttpRequest) -> HttpResponse:
         response = HttpResponse("authentication required\n", status=401, content_type="text/plain")
         response["WWW-Authenticate"] = 'Bearer realm="metrics"'
         return response
-    return HttpResponse(task_metrics.render(), content_type=CONTENT_TYPE_LATEST)
+    return HttpResponse(task_metrics.render(tenants=_scope(request)), content_type=CONTENT_TYPE_LATEST)
+
+
+def _scope(request: HttpRequest) -> frozenset[str] | None:
+    """The tenants whose series this scrape may see: all (None) for the token and superusers; a staff
+    member, only the tenants they belong to."""
+    if bearer_ok(request) or request.user.is_superuser:
+        return None
+    return frozenset(Membership.objects.filter(user=request.user).values_list("tenant__slug", flat=True))

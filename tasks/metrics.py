@@ -76,9 +76,27 @@ REGISTRY = CollectorRegistry(auto_describe=False)
 REGISTRY.register(DatabaseCollector())
 
 
-def render() -> bytes:
-    """The Prometheus text exposition of every Longhaul metric."""
-    return generate_latest(REGISTRY)
+def render(*, tenants: frozenset[str] | None = None) -> bytes:
+    """The Prometheus text exposition of every Longhaul metric; with `tenants`, only those tenants'
+    series, beside the system-wide figures (which name no tenant)."""
+    if tenants is None:
+        return generate_latest(REGISTRY)
+    scoped = CollectorRegistry(auto_describe=False)
+    scoped.register(ScopedCollector(tenants))
+    return generate_latest(scoped)
+
+
+class ScopedCollector(DatabaseCollector):
+    """What a staff member scoped to some tenants may see: series labelled with another tenant are left out."""
+
+    def __init__(self, tenants: frozenset[str]) -> None:
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            metric.samples = [s for s in metric.samples if s.labels.get("tenant", "") in self.tenants
+                              or "tenant" not in s.labels]
+            yield metric
 
 
 def _slug(tenants: Tenants, tenant_id: int | None) -> str:

@@ -15,6 +15,7 @@ from tasks import clock, scheduling
 from tasks.events import NewEvent, append
 from tasks.models import Operation, Task, Tenant
 from tasks.statuses import NotificationStatus, OperationStatus, TaskStatus
+from tests.conftest import make_user
 from tests.factories import make_task, submit_sleep
 
 S = TaskStatus
@@ -83,6 +84,34 @@ def test_staff_and_the_scrape_token_get_the_metrics(acme):
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain")
     assert Client().post("/metrics", **bearer(TOKEN)).status_code == 405
+
+
+def tenants_in(found: dict) -> set[str]:
+    return {dict(labels)["tenant"] for _name, labels in found if "tenant" in dict(labels)}
+
+
+def test_staff_scoped_to_a_tenant_see_only_that_tenants_series(acme, alice, globex, charlie):
+    make_task(acme, alice)
+    make_task(globex, charlie, status=S.PAUSED)
+    scoped = make_user("acme-operator", acme)
+    scoped.is_staff = True
+    scoped.save()
+    client = Client()
+    client.force_login(scoped)
+    found = samples(scrape(client))
+    assert tenants_in(found) == {"acme"}
+    assert value(found, "longhaul_tasks", tenant="acme", status="queued") == 1
+    assert value(found, "longhaul_system_max_running") >= 1  # system-wide figures name no tenant
+    assert b"globex" not in scrape(client).content
+
+    # Staff of no tenant see no tenant's series; superusers and the scrape token see them all.
+    unscoped = User.objects.create_user("floater", is_staff=True)
+    client.force_login(unscoped)
+    assert tenants_in(samples(scrape(client))) == set()
+    root = User.objects.create_superuser("root")
+    client.force_login(root)
+    assert tenants_in(samples(scrape(client))) == {"acme", "globex"}
+    assert tenants_in(samples(scrape(**bearer(TOKEN)))) == {"acme", "globex"}
 
 
 def test_it_exposes_queues_slots_and_why_tasks_wait(acme, alice, globex, charlie, settings):
