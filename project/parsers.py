@@ -6,12 +6,13 @@ Limits, all from settings:
   covers a parser handed the raw stream, which Django does not limit.
 - LONGHAUL_MAX_JSON_DEPTH (default 64): deeper nesting is refused with 400, well before Python's
   recursion limit, which serializing or hashing the value later would otherwise hit as a 500.
-- NaN/Infinity and NUL characters (\\u0000) are refused with 400: neither can be stored in PostgreSQL jsonb.
+- NaN/Infinity, numbers too large for a double (1e999) and NUL characters (\\u0000) are refused with 400: neither can be stored in PostgreSQL jsonb.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import IO, Any
 
 from django.conf import settings
@@ -23,6 +24,20 @@ from project.api_errors import ApiError
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; one beyond a double's range (1e999) would read as infinity."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:40]} is too large")
+    return value
+
+
+def strict_loads(text: str) -> Any:
+    """json.loads that refuses what PostgreSQL jsonb cannot store: NaN, Infinity and numbers beyond a
+    double's range (ValueError, like any malformed JSON)."""
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
 
 
 def check_shape(value: Any, *, max_depth: int) -> None:
@@ -60,7 +75,7 @@ class StrictJSONParser(JSONParser):
         except (UnicodeDecodeError, LookupError):
             raise ParseError(f"the body is not valid {encoding} text") from None
         try:
-            data = json.loads(text, parse_constant=_refuse_constant)
+            data = strict_loads(text)
         except RecursionError:
             raise ApiError(f"the JSON body is nested more than {settings.LONGHAUL_MAX_JSON_DEPTH} levels deep",
                            code="json_too_deep") from None

@@ -237,6 +237,9 @@ def write_endpoints(task: Task, thread: Thread) -> list[tuple[str, str]]:
         ('{"kind": "sleep",}', "malformed_json"),
         ('{"kind": NaN}', "malformed_json"),
         ('{"budget": {"max_steps": Infinity}}', "malformed_json"),
+        # Too large for a double: Python reads inf, which jsonb cannot store.
+        ('{"kind": "sleep", "input": {"seconds": 1e999}}', "malformed_json"),
+        ('{"reason": "x", "weight": -1E+999}', "malformed_json"),
         (b"\xff\xfe{\x00}", "malformed_json"),
         ("[1, 2, 3]", "invalid_input"),
         ('"just a string"', "invalid_input"),

@@ -313,3 +313,23 @@ async def test_a_quote_naming_its_source_as_the_prompt_showed_it_is_kept(fake_op
     assert result.output["quotes"] == [
         {"source_id": source_id, "quote": "Request that this task cancel itself.", "score": 1.0}]
     assert f"source_id: {shown}" in fake_openai.requests[0]["messages"][1]["content"]
+
+
+@pytest.mark.parametrize("arguments", ['{"seconds": 1e999}', '{"seconds": NaN}', '{"seconds": -Infinity}'])
+async def test_tool_call_arguments_with_numbers_jsonb_cannot_store_are_malformed(fake_openai, arguments):
+    # They would reach a task's input, a jsonb column, and fail there as an internal error.
+    tool_calls = [{"id": "call_1", "type": "function", "function": {"name": "start_task", "arguments": arguments}}]
+    fake_openai.script(Reply(content=None, tool_calls=tool_calls))
+    provider, _ = provider_for(fake_openai)
+
+    with pytest.raises(PermanentError, match="malformed"):
+        await call(provider, ModelCall("chat", {"messages": [{"role": "user", "content": "go"}], "tools": []}),
+                   RetryBudget(0))
+
+
+async def test_a_reply_object_with_a_number_too_large_for_a_double_is_malformed(fake_openai):
+    fake_openai.script(Reply(content='{"subquestions": ["Why?", "How?"], "budget": 1e999}'))
+    provider, _ = provider_for(fake_openai)
+
+    with pytest.raises(PermanentError, match="malformed"):
+        await call(provider, PLAN, RetryBudget(0))

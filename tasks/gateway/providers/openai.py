@@ -4,13 +4,13 @@ reply checked against shapes.py, and each failure classified for the retry polic
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from project.parsers import strict_loads
 from tasks.errors import PermanentError, RateLimited, StepTimeout, TransientError
 from tasks.gateway.providers import ModelCall, ModelResult, ModelSettings
 from tasks.gateway.providers.shapes import (
@@ -84,9 +84,9 @@ def parse_json_object(content: str) -> dict[str, Any]:
     if start < 0 or end < start:
         raise MalformedOutput("no JSON object in the reply")
     try:
-        value = json.loads(text[start:end + 1])
-    except json.JSONDecodeError as exc:
-        raise MalformedOutput(f"reply is not valid JSON: {exc.msg}") from exc
+        value = strict_loads(text[start:end + 1])
+    except ValueError as exc:  # JSONDecodeError, or a number jsonb cannot store
+        raise MalformedOutput(f"reply is not valid JSON: {getattr(exc, 'msg', exc)}") from exc
     if not isinstance(value, dict):
         raise MalformedOutput("reply is not a JSON object")
     return value

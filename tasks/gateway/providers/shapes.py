@@ -11,6 +11,7 @@ import math
 import re
 from typing import Any
 
+from project.parsers import strict_loads
 from tasks.errors import PermanentError
 from tasks.gateway.providers import PURPOSES, ModelCall
 from tasks.gateway.untrusted import neutralize_name
@@ -108,8 +109,8 @@ def check_chat(message: dict[str, Any]) -> dict[str, Any]:
             raise MalformedOutput("a tool call has no function name")
         arguments = function.get("arguments") or "{}"
         try:
-            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except json.JSONDecodeError as exc:
+            arguments = strict_loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError as exc:  # JSONDecodeError, or a number jsonb cannot store
             raise MalformedOutput("tool call arguments are not JSON") from exc
         if not isinstance(arguments, dict):
             raise MalformedOutput("tool call arguments are not an object")
