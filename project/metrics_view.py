@@ -47,7 +47,8 @@ def metrics(request: HttpRequest) -> HttpResponse:
 
 def _scope(request: HttpRequest) -> frozenset[str] | None:
     """The tenants whose series this scrape may see: all (None) for the token and superusers; a staff
-    member, only the tenants they belong to."""
+    member, only the tenants they administer (the admin's rule, tasks/admin/scoping.py)."""
     if bearer_ok(request) or request.user.is_superuser:
         return None
-    return frozenset(Membership.objects.filter(user=request.user).values_list("tenant__slug", flat=True))
+    return frozenset(Membership.objects.filter(user=request.user, role=Membership.Role.ADMIN)
+                     .values_list("tenant__slug", flat=True))

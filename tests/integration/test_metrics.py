@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tasks import clock, scheduling
 from tasks.events import NewEvent, append
-from tasks.models import Operation, Task, Tenant
+from tasks.models import Membership, Operation, Task, Tenant
 from tasks.statuses import NotificationStatus, OperationStatus, TaskStatus
 from tests.conftest import make_user
 from tests.factories import make_task, submit_sleep
@@ -93,9 +93,10 @@ def tenants_in(found: dict) -> set[str]:
 def test_staff_scoped_to_a_tenant_see_only_that_tenants_series(acme, alice, globex, charlie):
     make_task(acme, alice)
     make_task(globex, charlie, status=S.PAUSED)
-    scoped = make_user("acme-operator", acme)
+    scoped = make_user("acme-operator", acme, role=Membership.Role.ADMIN)
     scoped.is_staff = True
     scoped.save()
+    Membership.objects.create(user=scoped, tenant=globex)  # a plain member there: not its operator
     client = Client()
     client.force_login(scoped)
     found = samples(scrape(client))
@@ -104,7 +105,7 @@ def test_staff_scoped_to_a_tenant_see_only_that_tenants_series(acme, alice, glob
     assert value(found, "longhaul_system_max_running") >= 1  # system-wide figures name no tenant
     assert b"globex" not in scrape(client).content
 
-    # Staff of no tenant see no tenant's series; superusers and the scrape token see them all.
+    # Staff who administer no tenant see no tenant's series; superusers and the scrape token see them all.
     unscoped = User.objects.create_user("floater", is_staff=True)
     client.force_login(unscoped)
     assert tenants_in(samples(scrape(client))) == set()
