@@ -6,6 +6,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.test import Client
 from django.urls import reverse
+from rest_framework.authtoken.models import Token
 
 from tasks.models import Alert, AuditEntry, Membership, Task, TaskEvent, Tenant
 from tasks.statuses import NotificationStatus, TaskStatus
@@ -179,3 +180,23 @@ def test_an_operator_with_view_permissions_only_cannot_run_actions(scenes, globe
 def test_a_staff_user_without_model_permissions_gets_no_lists(scenes, globex):
     bare = make_operator("bart", globex, permissions=())
     assert signed_in(bare).get(reverse("admin:tasks_task_changelist")).status_code == 403
+
+
+def test_an_operator_sees_only_their_tenants_api_tokens_and_never_a_whole_key(acme, alice, globex, charlie):
+    theirs, own = Token.objects.create(user=alice), Token.objects.create(user=charlie)
+    operator = make_operator("tokens", globex, permissions=("authtoken.view_tokenproxy", "authtoken.delete_tokenproxy"))
+    root = User.objects.create_superuser("root", password="root-password-1")
+
+    client = signed_in(operator)
+    response = changelist(client, "authtoken_tokenproxy")
+    assert [token.key for token in listed(response)] == [own.key]
+    assert own.key not in response.content.decode()  # a prefix names it; the whole key is a credential
+    assert client.get(reverse("admin:authtoken_tokenproxy_change", args=[alice.pk])).status_code in (302, 404)
+    assert client.post(reverse("admin:authtoken_tokenproxy_delete", args=[alice.pk]), {"post": "yes"}).status_code \
+        in (302, 404)
+    assert Token.objects.filter(key=theirs.key).exists()
+
+    # A user who also belongs to another tenant is not this operator's to manage.
+    Membership.objects.create(user=charlie, tenant=acme)
+    assert listed(changelist(client, "authtoken_tokenproxy")) == []
+    assert {t.key for t in listed(changelist(signed_in(root), "authtoken_tokenproxy"))} == {theirs.key, own.key}
