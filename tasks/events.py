@@ -6,7 +6,8 @@ per group. `async_to_sync(group_send)` per commit cost 7.6 to 20 ms with Redis, 
 it a fresh event loop and a fresh connection each time.
 
 Streams outside tasks that show a task's events (chat's thread stream) register at start,
-through `also_wake`, the group each task's commits should wake besides the task's own.
+through `also_wake`, the group each task's commits should wake besides the task's own; apps
+that act on events (webhooks) register through `on_append`, called in the appending transaction.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 
 # Each names one more group to wake with a task's events, or None; registered at app start.
 _also_woken: list[Callable[[Task], str | None]] = []
+# Each is told of every batch of appended events, inside the transaction that appended them.
+_listeners: list[Callable[[Task, Sequence[TaskEvent]], None]] = []
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,13 @@ def append(task: Task, events: list[NewEvent], *, status: str, at: datetime) -> 
         )
         (last,) = cursor.fetchone()
     first = last - len(events) + 1
-    TaskEvent.objects.bulk_create(
+    stored = TaskEvent.objects.bulk_create(
         TaskEvent(task_id=task.pk, tenant_id=task.tenant_id, seq=first + i, kind=e.kind, status=status, data=e.data, at=at)
         for i, e in enumerate(events)
     )
     task.last_event_seq = last
+    for listener in _listeners:
+        listener(task, stored)
     public_id = task.public_id
     also = [group for group_of in _also_woken if (group := group_of(task)) is not None]
     transaction.on_commit(lambda: wake_subscribers(public_id, last, also=also))
@@ -74,6 +79,17 @@ def also_wake(group_of: Callable[[Task], str | None]) -> None:
     """
     if group_of not in _also_woken:
         _also_woken.append(group_of)
+
+
+def on_append(listener: Callable[[Task, Sequence[TaskEvent]], None]) -> None:
+    """Tell `listener(task, events)` of every batch of events appended (called at app start).
+
+    It runs inside the appending transaction, so what it writes commits or rolls back with the
+    events (an outbox row, never a network call). How webhooks hear of tasks without tasks
+    importing them (DESIGN §15).
+    """
+    if listener not in _listeners:
+        _listeners.append(listener)
 
 
 def task_group(public_id: object) -> str:
