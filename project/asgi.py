@@ -13,6 +13,7 @@ from django.urls import path  # noqa: E402
 django_asgi_app = get_asgi_application()
 
 from chat.consumers import ThreadStreamConsumer  # noqa: E402  (these need the apps loaded)
+from project.ws_auth import TokenAuthMiddleware  # noqa: E402
 from tasks.consumers import TaskStreamConsumer  # noqa: E402
 
 websocket_urlpatterns = [
@@ -23,6 +24,8 @@ websocket_urlpatterns = [
 application = ProtocolTypeRouter(
     {
         "http": django_asgi_app,
-        "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+        # Inside the session stack: a session's user is resolved first, then a token's, for non-browser clients.
+        "websocket": AllowedHostsOriginValidator(
+            AuthMiddlewareStack(TokenAuthMiddleware(URLRouter(websocket_urlpatterns)))),
     }
 )
