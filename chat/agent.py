@@ -19,8 +19,10 @@ from django.utils.translation import gettext as _
 
 from chat import tools
 from chat.models import Message, Run
+from project.parsers import strict_loads
 from tasks.gateway.untrusted import frame, neutralize_name
 from tasks.models import Task
+from tasks.serializers import question_fields
 from tasks.statuses import TERMINAL, TaskStatus
 
 HISTORY = 20
@@ -31,8 +33,10 @@ LIST = re.compile(r"\b(what(?:'s| is| are)? (?:running|going on|you working on)|
                   r"what tasks)\b", re.IGNORECASE)
 CANCEL = re.compile(r"^\s*(?:please\s+)?(?:cancel|stop|abort)\s+(?P<name>.+?)\s*[.!]?\s*$", re.IGNORECASE)
 ANSWER = re.compile(r"^\s*answer\s+(?P<name>[^:]*):\s*(?P<answer>.+)$", re.IGNORECASE | re.DOTALL)
+# The server is named as the user sees it: a display name may have several words ("Report Studio").
 REMOTE = re.compile(r"^\s*(?:please\s+)?(?:run|use|start)\s+(?:the\s+)?(?P<tool>[\w.-]+)(?:\s+tool)?\s+on\s+"
-                    r"(?P<server>[\w-]+)(?:\s+with\s+(?P<args>\{.*\}))?\s*[.!]?\s*$", re.IGNORECASE | re.DOTALL)
+                    r"(?P<server>\w[\w .-]*?)(?:\s+with\s+(?P<args>\{.*\}))?\s*[.!]?\s*$",
+                    re.IGNORECASE | re.DOTALL)
 TEST_TASK = re.compile(r"^\s*(?:start|run) a (?:test|sleep) task(?: (?:of|with) (?P<steps>\d+) steps?)?",
                        re.IGNORECASE)
 
@@ -74,7 +78,10 @@ def tell_about_task(run: Run) -> Reply:
     report = str(result.get("report") or result.get("summary") or "").strip()
     data = {"task": str(task.public_id), "task_status": task.status, "result_version": task.result_version,
             "notification": run.task_version}
-    if task.status == TaskStatus.SUCCEEDED:
+    told = task.dispatch_event if task.dispatch_version == run.task_version else None
+    if (told or {}).get("event") == "question_withdrawn" and task.status not in TERMINAL:
+        text = _("**%(name)s** no longer needs your answer: the remote tool withdrew its question.") % {"name": name}
+    elif task.status == TaskStatus.SUCCEEDED:
         done = _("**%(name)s** is done.") % {"name": name}
         text = f"{done}\n\n{report}" if report else done
     elif task.status == TaskStatus.PARTIAL:
@@ -86,10 +93,13 @@ def tell_about_task(run: Run) -> Reply:
     elif task.status == TaskStatus.CANCELLED:
         text = _("**%(name)s** was cancelled. Everything it recorded is kept.") % {"name": name}
     elif task.status == TaskStatus.WAITING_INPUT:
-        text = (_("**%(name)s** needs your answer: %(question)s") % {"name": name, "question": task.question}
-                + "\n\n"
-                # The command stays English: it is what the assistant understands.
-                + _("Reply with “answer %(name)s: …”, or use the answer box in the task panel.") % {"name": name})
+        text = _("**%(name)s** needs your answer: %(question)s") % {"name": name, "question": task.question}
+        if question_fields(task):
+            how = _("Fill in the form below, or the one in the task panel.")
+        else:
+            # The command stays English: it is what the assistant understands.
+            how = _("Reply with “answer %(name)s: …”, or use the answer box in the task panel.") % {"name": name}
+        text = f"{text}\n\n{how}"
     elif task.tracking_degraded and task.status not in TERMINAL:
         text = _("**%(name)s**: the remote server has stopped answering. The task keeps trying and I'll tell you "
                  "how it ends.") % {"name": name}
@@ -137,10 +147,12 @@ def _respond_offline(run: Run) -> Reply:
 
 def _start_remote(run: Run, match: re.Match[str]) -> Reply:
     try:
-        arguments = json.loads(match["args"]) if match["args"] else {}
+        arguments = strict_loads(match["args"]) if match["args"] else {}
     except json.JSONDecodeError as exc:
         return Reply(_("The arguments are not valid JSON (%(problem)s at character %(position)s).")
                      % {"problem": exc.msg, "position": exc.pos}, {"error": True})
+    except ValueError as exc:  # NaN, Infinity or 1e999: a task's input could not store them
+        return Reply(_("The arguments are not valid JSON (%(problem)s).") % {"problem": exc}, {"error": True})
     if not isinstance(arguments, dict):
         return Reply(_("The arguments must be a JSON object, like {\"topic\": \"sales\"}."), {"error": True})
     reply = tools.start_remote_tool(run, server=match["server"], tool=match["tool"], arguments=arguments)

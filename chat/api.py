@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from django.db.models import OuterRef, QuerySet, Subquery
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
@@ -26,13 +25,20 @@ from chat.serializers import (
 )
 from project.api_errors import ApiError, get_by_public_id
 from tasks.api import (
-    CURSOR, ERRORS, IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_PARAMETER, READ_ERRORS, _int_param, request_tenant,
+    CURSOR,
+    ERRORS,
+    IDEMPOTENCY_KEY,
+    IDEMPOTENCY_KEY_PARAMETER,
+    READ_ERRORS,
+    _int_param,
+    request_tenant,
 )
 from tasks.models import Task, TaskEvent
 from tasks.statuses import TERMINAL
 
 THREAD_ID = OpenApiParameter("thread_id", OpenApiTypes.UUID, OpenApiParameter.PATH)
 MAX_MESSAGES_PAGE = 500
+PANEL_LIMIT, MAX_PANEL_LIMIT = 50, 200
 PHASES = ("admitted", "planning", "searching", "source_read", "evidence_added", "drafting", "waiting_tool",
           "retry_scheduled", "input_required", "step_done", "recovered", "paused", "cancel_requested",
           "remote_started", "progress", "answer_sent", "cancelling_remote", "remote_cancel_sent")
@@ -46,13 +52,14 @@ def get_thread(request: Request, thread_id: str) -> Thread:
     return get_by_public_id(owned_threads(request), thread_id, noun="thread")
 
 
-def panel_tasks(thread: Thread) -> list[Task]:
-    """The thread's tasks for the panel: active first, then recent; with each one's latest phase."""
+def panel_tasks(thread: Thread, *, limit: int = PANEL_LIMIT) -> list[Task]:
+    """The thread's tasks for the panel, at most `limit`: active ones first, then the recently
+    ended, newest first in each; with each one's latest phase."""
     latest_phase = TaskEvent.objects.filter(task=OuterRef("pk"), kind__in=PHASES).order_by("-seq").values("kind")[:1]
-    tasks = list(Task.objects.filter(thread=thread).annotate(latest_phase=Subquery(latest_phase))
-                 .order_by("-created_at")[:50])
-    tasks.sort(key=lambda t: (t.status in TERMINAL, -t.created_at.timestamp()))
-    return tasks
+    tasks = Task.objects.filter(thread=thread).annotate(latest_phase=Subquery(latest_phase)).order_by("-created_at")
+    active = list(tasks.exclude(status__in=TERMINAL)[:limit])
+    ended = list(tasks.filter(status__in=TERMINAL)[:limit - len(active)]) if len(active) < limit else []
+    return active + ended
 
 
 class ThreadList(APIView):
@@ -127,9 +134,13 @@ class ThreadMessages(APIView):
 
 
 class ThreadTasks(APIView):
-    @extend_schema(parameters=[THREAD_ID], responses={200: PanelPageSerializer, **READ_ERRORS})
+    @extend_schema(parameters=[THREAD_ID, OpenApiParameter("limit", {"type": "integer", "minimum": 1,
+                                                                     "maximum": MAX_PANEL_LIMIT})],
+                   responses={200: PanelPageSerializer, 400: ERRORS[400], **READ_ERRORS})
     def get(self, request: Request, thread_id: str) -> Response:
         thread = get_thread(request, thread_id)
-        tasks = panel_tasks(thread)
-        return Response({"results": PanelTaskSerializer(tasks, many=True).data,
-                         "active": sum(t.status not in TERMINAL for t in tasks)})
+        limit = _int_param(request, "limit", PANEL_LIMIT, low=1, high=MAX_PANEL_LIMIT)
+        tasks = panel_tasks(thread, limit=limit)
+        # Counted apart from the page: the badge counts every active task, listed or not.
+        active = Task.objects.filter(thread=thread).exclude(status__in=TERMINAL).count()
+        return Response({"results": PanelTaskSerializer(tasks, many=True).data, "active": active})

@@ -6,7 +6,7 @@ from rest_framework import serializers
 
 from chat.models import Message, Run, Thread
 from tasks.models import Task
-from tasks.serializers import SOME_TEXT, StrictCharField
+from tasks.serializers import SOME_TEXT, RemoteFactsMixin, StrictCharField
 from tasks.statuses import TERMINAL, ErrorClass, NotificationStatus
 
 
@@ -26,11 +26,16 @@ class ThreadWriteSerializer(serializers.Serializer):
 class MessageSerializer(serializers.ModelSerializer):
     run = serializers.SerializerMethodField()
     task = serializers.SerializerMethodField()
+    asks = serializers.SerializerMethodField()
 
     class Meta:
         model = Message
-        fields = ["id", "role", "content", "run", "task", "created_at"]
+        fields = ["id", "role", "content", "run", "task", "asks", "created_at"]
         read_only_fields = fields
+
+    def get_asks(self, message: Message) -> bool:
+        """The message tells of a task's question: the page offers the answer form under it."""
+        return (message.data or {}).get("task_status") == "waiting_input"
 
     def get_run(self, message: Message) -> str | None:
         return str(message.run.public_id) if message.run_id else None
@@ -54,7 +59,7 @@ class RunSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class PanelTaskSerializer(serializers.ModelSerializer):
+class PanelTaskSerializer(RemoteFactsMixin, serializers.ModelSerializer):
     """One row of the thread's task panel."""
 
     id = serializers.UUIDField(source="public_id", read_only=True)
@@ -69,7 +74,8 @@ class PanelTaskSerializer(serializers.ModelSerializer):
         model = Task
         fields = ["id", "name", "kind", "status", "is_terminal", "phase", "question", "error_class", "error_message",
                   "cancel_requested", "tracking_degraded", "result_version", "notification", "created_at",
-                  "started_at", "finished_at", "updated_at", "last_event_seq"]
+                  "started_at", "finished_at", "updated_at", "last_event_seq", "question_fields", "remote_error",
+                  "cancel_attempts", "cancel_error"]
         read_only_fields = fields
 
     def get_is_terminal(self, task: Task) -> bool:

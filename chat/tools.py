@@ -15,6 +15,7 @@ from tasks import actions
 from tasks.errors import Conflict, InvalidInput, QuotaExceeded
 from tasks.gateway.untrusted import neutralize_name
 from tasks.models import Task
+from tasks.serializers import display_name
 from tasks.statuses import TERMINAL, TaskStatus
 
 PROJECTION_LIMIT = 20
@@ -116,17 +117,37 @@ def start_background_task(run: Run, *, kind: str, name: str, input: dict[str, An
 
 def start_remote_tool(run: Run, *, server: str, tool: str, arguments: dict[str, Any], name: str = "",
                       n: int = 0) -> ToolReply:
-    """Run a tool of a configured MCP server as a background task; the thread is told how it ends."""
-    name = name or _("%(tool)s on %(server)s") % {"tool": tool, "server": server}
+    """Run a tool of a configured MCP server as a background task; the thread is told how it ends.
+
+    `server` is what the user or the model wrote: a server's display name (or its configured name);
+    the configured name goes into the task's input and never back into the conversation."""
+    found = find_server(run, server)
+    if found is None:
+        titles = _(", ").join(f"“{s['name']}”" for s in remote_servers(run))
+        if not titles:
+            return ToolReply(_("No remote tools are set up for this workspace."), {"error": True})
+        return ToolReply(_("There is no remote server called “%(server)s”. The servers here are: %(servers)s.")
+                         % {"server": neutralize_name(server), "servers": titles}, {"error": True})
+    name = name or _("%(tool)s on %(server)s") % {"tool": tool, "server": display_name(found)}
     return start_background_task(run, kind="mcp", name=name,
-                                 input={"server": server, "tool": tool, "arguments": arguments}, n=n)
+                                 input={"server": found.name, "tool": tool, "arguments": arguments}, n=n)
+
+
+def find_server(run: Run, typed: str) -> Any:
+    """The configured server (tasks.mcp.config.Server) of this workspace that `typed` names, or None."""
+    from tasks.mcp import config
+
+    wanted = typed.strip().casefold()
+    servers = config.for_tenant(run.thread.tenant.slug)
+    return next((s for s in servers if display_name(s).casefold() == wanted), None) \
+        or next((s for s in servers if s.name.casefold() == wanted), None)
 
 
 def remote_servers(run: Run) -> list[dict[str, str]]:
-    """The MCP servers this thread's workspace may use, by name, for the agent."""
+    """The MCP servers this thread's workspace may use, by display name, for the agent and the user."""
     from tasks.mcp import config
 
-    return [{"name": s.name, "description": s.description} for s in config.for_tenant(run.thread.tenant.slug)]
+    return [{"name": display_name(s), "description": s.description} for s in config.for_tenant(run.thread.tenant.slug)]
 
 
 def list_background_tasks(run: Run) -> ToolReply:

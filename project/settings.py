@@ -283,13 +283,14 @@ LONGHAUL_NOTIFIER_RUN_STATE = envstr("LONGHAUL_NOTIFIER_RUN_STATE", "chat.notify
 
 # Remote MCP tasks (tasks/mcp/config.py describes the servers file).
 LONGHAUL_MCP_SERVERS = envstr("LONGHAUL_MCP_SERVERS")  # path of a TOML or JSON file; empty: no servers
-LONGHAUL_MCP_POLL_FLOOR_MS = envint("LONGHAUL_MCP_POLL_FLOOR_MS", 500, minimum=10)
-LONGHAUL_MCP_POLL_CEILING_MS = envint("LONGHAUL_MCP_POLL_CEILING_MS", 30_000, minimum=10)
+# The soonest a remote task is polled again (the server's pollIntervalMs is honoured up to 24 h).
+LONGHAUL_MCP_POLL_FLOOR_MS = envint("LONGHAUL_MCP_POLL_FLOOR_MS", 1_000, minimum=10)
 LONGHAUL_MCP_BACKOFF_CAP_SECONDS = envfloat("LONGHAUL_MCP_BACKOFF_CAP_SECONDS", 300.0, minimum=0.01)
 LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = envfloat("LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS", 60.0, minimum=0.0)
 LONGHAUL_MCP_CONCURRENCY = envint("LONGHAUL_MCP_CONCURRENCY", 8, minimum=1)  # calls in flight per MCP server
+# A result over 64 KiB is not stored: this many characters of it are, with result_truncated.
 LONGHAUL_MCP_RESULT_PREVIEW_CHARS = envint("LONGHAUL_MCP_RESULT_PREVIEW_CHARS", 2_000, minimum=100)
-LONGHAUL_MCP_RESULT_MAX_CHARS = envint("LONGHAUL_MCP_RESULT_MAX_CHARS", 200_000, minimum=1_000)
+
 
 LOGGING = {
     "version": 1,

@@ -7,8 +7,8 @@ from drf_spectacular.views import SpectacularAPIView
 from chat import api as chat_api
 from chat import views as chat_views
 from project import language, views
-from project.metrics_view import metrics
 from project.api_me import MeView
+from project.metrics_view import metrics
 from tasks import api
 
 handler404 = "project.views.not_found"
@@ -25,6 +25,7 @@ urlpatterns = [
     path("jsi18n/", JavaScriptCatalog.as_view(), name="javascript-catalog"),
     path("api/schema", SpectacularAPIView.as_view(), name="schema"),
     path("api/me", MeView.as_view(), name="me"),
+    path("api/features", api.Features.as_view(), name="features"),
     path("api/tasks", api.TaskListCreate.as_view(), name="task-list"),
     path("api/tasks/<str:task_id>", api.TaskDetail.as_view(), name="task-detail"),
     path("api/tasks/<str:task_id>/events", api.TaskEvents.as_view(), name="task-events"),

@@ -22,6 +22,7 @@ from tasks.context import digest
 from tasks.drivers import get_driver
 from tasks.errors import Conflict, InvalidInput, QuotaExceeded
 from tasks.events import NewEvent
+from tasks.mcp import forms
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task, Tenant
 from tasks.statuses import TERMINAL, TaskStatus
 
@@ -163,21 +164,50 @@ def resume(task: Task, *, user: Any, budget: Any = None) -> Task:
     return fresh
 
 
-def answer(task: Task, *, user: Any, text: str) -> Task:
-    """Give a task waiting for input its answer; it queues for a slot and goes on."""
-    if not isinstance(text, str) or not text.strip():
-        raise InvalidInput("answer must be non-empty text", field="answer")
-    if len(text) > 10_000:
-        raise InvalidInput("answer must be at most 10000 characters", field="answer")
+def answer(task: Task, *, user: Any, text: str = "", data: dict[str, Any] | None = None) -> Task:
+    """Give a task waiting for input its answer; it queues for a slot and goes on.
+
+    `text` answers a free-text question (or a form with one text field); `data` is a structured
+    answer to a remote tool's question: {"action": "accept", "content": {...}}, {"action": "decline"}
+    or {"action": "cancel"}. Either is checked against the question's form before anything is written.
+    """
+    if data is None:
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidInput("answer must be non-empty text", field="answer")
+        if len(text) > 10_000:
+            raise InvalidInput("answer must be at most 10000 characters", field="answer")
+        text = text.strip()
     now = clock.now()
     with transaction.atomic():
         fresh = Task.objects.select_for_update().get(pk=task.pk)
         if fresh.status != TaskStatus.WAITING_INPUT:
             raise Conflict(f"the task is {fresh.status}, not waiting for an answer", code="not_waiting")
-        transitions.answer(fresh, now=now, text=text.strip())
-        _audit(fresh, user, "task.answer", now, {})
+        response = _checked_answer(fresh, text=text, data=data)
+        transitions.answer(fresh, now=now, text=text if data is None else _answer_words(response), data=response)
+        _audit(fresh, user, "task.answer", now, {"action": response["action"]} if response else {})
     fresh.refresh_from_db()
     return fresh
+
+
+def _checked_answer(task: Task, *, text: str, data: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The structured answer to store (None: the text is the answer); InvalidInput names a bad field."""
+    if data is None and task.question_form is None:
+        return None  # a free-text question
+    if data is not None and task.kind != "mcp":
+        raise InvalidInput("this question takes a text answer", field="answer")
+    try:
+        response = forms.response(task.question_form, data if data is not None else text)
+    except forms.FormError as exc:
+        field = getattr(exc, "field", None)
+        raise InvalidInput(str(exc), field=f"answer.content.{field}" if field else "answer") from None
+    return response if data is not None else None
+
+
+def _answer_words(response: dict[str, Any]) -> str:
+    """A structured answer in a few words, for the task's `answer` column (the admin shows it)."""
+    if response["action"] != "accept":
+        return response["action"]
+    return ", ".join(f"{name}: {value}" for name, value in response.get("content", {}).items())[:10_000]
 
 
 # --- what operators ask for in the admin ----------------------------------------------

@@ -7,10 +7,15 @@ import uuid
 from typing import Any
 
 from django.apps import apps
-
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, OpenApiResponse, extend_schema, extend_schema_view
+from drf_spectacular.utils import (
+    OpenApiParameter,
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_view,
+    inline_serializer,
+)
 from rest_framework import exceptions, generics, serializers, status
 from rest_framework.pagination import CursorPagination
 from rest_framework.request import Request
@@ -18,7 +23,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from project.api_errors import ApiError, get_by_public_id
+from project.env import envbool
 from tasks import actions, tenancy
+from tasks.gateway import configured
+from tasks.mcp import config as mcp_config
 from tasks.models import Task, Tenant
 from tasks.serializers import (
     AnswerSerializer,
@@ -104,6 +112,35 @@ class TaskPagination(CursorPagination):
             return super().decode_cursor(request)
         except exceptions.NotFound:
             raise ApiError("cursor is not one this API handed out", code="invalid_input", field="cursor") from None
+
+
+def features(tenant: Tenant) -> dict[str, Any]:
+    """What this deployment offers the tenant: the page shows only what is on."""
+    from tasks.gateway.providers import model_settings
+    from tasks.gateway.tools import search_url
+
+    return {
+        "task_panel": bool(configured("LONGHAUL_TASK_PANEL", lambda name: envbool(name, True))),
+        "remote_tools": bool(mcp_config.for_tenant(tenant.slug)),
+        "research": {"provider": model_settings().provider, "corpus": not search_url()},
+    }
+
+
+FeaturesSchema = inline_serializer(name="Features", fields={
+    "task_panel": serializers.BooleanField(help_text="The chat page's background-task panel (LONGHAUL_TASK_PANEL)."),
+    "remote_tools": serializers.BooleanField(help_text="MCP servers are configured for this tenant."),
+    "research": inline_serializer(name="ResearchFeatures", fields={
+        "provider": serializers.CharField(help_text="The model provider: offline or openai."),
+        "corpus": serializers.BooleanField(help_text="Searches go to the bundled offline corpus, not the web."),
+    }),
+})
+
+
+class Features(APIView):
+    @extend_schema(responses={200: FeaturesSchema, 401: ERRORS[401], 403: ERRORS[403]})
+    def get(self, request: Request) -> Response:
+        """Which capabilities are on for the caller's tenant."""
+        return Response(features(request_tenant(request)))
 
 
 class TaskListCreate(generics.ListAPIView):
@@ -256,4 +293,7 @@ class TaskAnswer(TaskCommand):
     body = AnswerSerializer
 
     def perform(self, task: Task, user: Any, data: dict[str, Any]) -> Task:
-        return actions.answer(task, user=user, text=data["answer"])
+        answer = data["answer"]
+        if isinstance(answer, str):
+            return actions.answer(task, user=user, text=answer)
+        return actions.answer(task, user=user, data=answer)

@@ -50,6 +50,11 @@ class StepContext:
         return self.task.answer
 
     @property
+    def answer_data(self) -> dict[str, Any] | None:
+        """The owner's structured answer to the task's last question (None when they answered in text or not at all)."""
+        return self.task.answer_data
+
+    @property
     def retries(self) -> int:
         return self.task.retries
 

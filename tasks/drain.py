@@ -6,7 +6,9 @@ The graceful path is SIGTERM to the qcluster main process (honcho, `kill PID`,
 worker finish its job, then exits. When SIGTERM reaches every process of the
 service at once (systemd's default KillMode=control-group), django-q2's own
 supervisor dies with it; each worker then notes the signal, finishes the job in
-hand (which releases its lease) and exits, instead of dying mid-step.
+hand (which releases its lease) and exits, instead of dying mid-step. A gateway job stops
+claiming and gives its calls in flight GATEWAY_GRACE_SECONDS; a call still out then (a remote
+server that hangs) is released for another worker, under the same key, rather than waited for.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -22,6 +25,23 @@ from typing import Any
 log = logging.getLogger(__name__)
 draining = threading.Event()
 _job_running = threading.Lock()
+# How long a draining gateway job lets its calls in flight finish before it hands them back
+# (tasks/operations.py); well inside the supervisor's drain timeout (tasks/supervisor.py DRAIN_SECONDS).
+GATEWAY_GRACE_SECONDS = 3.0
+_since: float | None = None
+
+
+def start() -> None:
+    """Begin draining this process: claim nothing new, finish (or hand back) what is in hand."""
+    global _since
+    if not draining.is_set():
+        _since = time.monotonic()
+        draining.set()
+
+
+def grace_over() -> bool:
+    """Whether a draining job has waited long enough for its calls in flight."""
+    return draining.is_set() and (_since is None or time.monotonic() - _since >= GATEWAY_GRACE_SECONDS)
 
 
 @contextmanager
@@ -33,14 +53,16 @@ def job() -> Iterator[None]:
 
 def install_in_worker(**_: Any) -> None:
     """django-q2 post_spawn receiver: runs in each new worker process."""
+    global _since
     draining.clear()
+    _since = None
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     if draining.is_set():
         return
-    draining.set()
+    start()
     log.info("worker %s draining: finishing the current step, claiming nothing new", os.getpid())
     threading.Thread(target=_exit_between_jobs, name="longhaul-drain", daemon=True).start()
 

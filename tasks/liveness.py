@@ -6,7 +6,9 @@ of these holds for a task that is not terminal:
 - a lease that has not expired (someone is working on it);
 - a due time (`next_run_at`) that the sweeper's kick reaches even if every other kick is lost;
 - an unfinished operation whose completion makes the task due;
-- a wait for a person (`waiting_input`, `paused`, `partial`), visible to them;
+- a wait for a person (`waiting_input`, `paused`, `partial`), visible to them (a waiting_input
+  task may watch its remote task meanwhile: a watch call makes nothing due, and is closed when
+  the task stops waiting for the answer);
 - queued behind a full quota (a slot-holding task's end admits it).
 
 The same for the notification outbox (due, leased, or dispatched to a run that is still
@@ -27,7 +29,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q
 
-from tasks import kicks, notifications, scheduling, transitions
+from tasks import kicks, notifications, operations, scheduling, transitions
 from tasks.alerts import raise_alert
 from tasks.models import Alert, Operation, Task
 from tasks.statuses import CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
@@ -52,8 +54,10 @@ class Violation:
 
 
 def _unfinished_ops_of_last_step() -> Exists:
+    # Not a watch call (task:step:w<n>): it runs while the owner is asked, and makes nothing due.
     return Exists(Operation.objects.filter(task=OuterRef("pk"), step=OuterRef("current_step") - 1,
-                                           status__in=UNFINISHED_OPS))
+                                           status__in=UNFINISHED_OPS)
+                  .exclude(key__contains=f":{operations.WATCH_PREFIX}"))
 
 
 def waits_for_nothing(limit: int) -> list[Task]:
@@ -97,12 +101,16 @@ def queued_with_free_slots() -> list[int]:
 
 
 def orphaned_operations(now: datetime, limit: int) -> list[Operation]:
-    """Unfinished operations of a task that has ended, that no gateway job holds: nothing will
-    ever run or close them (rule `operation_orphaned`)."""
+    """Unfinished operations of a task that has ended, or watch calls of a task no longer waiting for
+    its owner's answer to the step that asked, that no gateway job holds: nothing will ever run or
+    close them (rule `operation_orphaned`)."""
     grace = now - timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
     # Not the remote cancel a task's end asks for (an abandon): gateway jobs run it whatever the task's status.
-    return list(Operation.objects.filter(task__status__in=sorted(TERMINAL), status__in=UNFINISHED_OPS)
-                .exclude(key__contains=":a")  # task:step:a<n> (operations.request_abandon)
+    ended = Q(task__status__in=sorted(TERMINAL)) & ~Q(key__contains=":a")  # task:step:a<n> (request_abandon)
+    # A watch call (task:step:w<n>) runs only while its task waits for the answer to the step that asked.
+    unwatched = Q(key__contains=f":{operations.WATCH_PREFIX}") & ~Q(task__status__in=sorted(TERMINAL)) & ~(
+        Q(task__status=S.WAITING_INPUT) & Q(step=F("task__current_step") - 1))
+    return list(Operation.objects.filter(ended | unwatched, status__in=UNFINISHED_OPS)
                 .filter(Q(status=OperationStatus.PENDING, created_at__lt=grace)
                         | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
                 .select_related("task")[:limit])

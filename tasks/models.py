@@ -94,7 +94,17 @@ class Task(models.Model):
     pause_reason = models.CharField(max_length=500, blank=True)
 
     question = models.TextField(blank=True, help_text="What the task asks its owner while waiting_input.")
+    question_form = models.JSONField(null=True, blank=True,
+                                     help_text="The requested schema of a structured answer; None: free text.")
     answer = models.TextField(blank=True, help_text="The owner's answer, read by the next step.")
+    answer_data = models.JSONField(null=True, blank=True, help_text="The owner's structured answer, if any.")
+
+    # A remote task's handle (never leaves the server) and what its polls and cancels last said.
+    remote_handle = models.CharField(max_length=255, null=True, blank=True)
+    remote_server = models.CharField(max_length=64, blank=True)
+    remote_poll_error = models.TextField(blank=True, help_text="The last poll error, redacted.")
+    remote_cancel_attempts = models.PositiveIntegerField(default=0)
+    remote_cancel_error = models.TextField(blank=True, help_text="Why the last remote cancel attempt failed, redacted.")
 
     result = models.JSONField(null=True, blank=True)
     result_version = models.PositiveIntegerField(default=0)
@@ -133,6 +143,11 @@ class Task(models.Model):
     updated_at = models.DateTimeField()
 
     class Meta:
+        constraints = [
+            # One task per remote task: the same owner cannot track a server's handle twice.
+            models.UniqueConstraint(fields=["owner", "remote_server", "remote_handle"], name="task_remote_handle_unique",
+                                    condition=Q(remote_handle__isnull=False)),
+        ]
         indexes = [
             # leases.claim and sweeper.kick_due: "claimable and due", ordered by due time.
             models.Index(fields=["next_run_at"], name="task_due_idx", condition=Q(status__in=sorted(CLAIMABLE))),

@@ -40,19 +40,22 @@ from django.conf import settings
 from django.db import close_old_connections, connection, connections, transaction
 from django.db.models import F, Q
 
-from tasks import clock, kicks, leases, transitions
+from tasks import clock, drain, kicks, leases, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
+from tasks.drain import draining
 from tasks.drivers import OpRequest
 from tasks.errors import InternalError, InvalidInput, StepError, StepTimeout
 from tasks.models import Checkpoint, Operation, Task
-from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
+from tasks.statuses import TERMINAL, ErrorClass, OperationStatus, TaskStatus
 
 log = logging.getLogger(__name__)
 KINDS = ("model", "tool", "mcp")
 FINISHED = (OperationStatus.SUCCEEDED, OperationStatus.FAILED)
 GATEWAY = Operation.Mode.GATEWAY
 STOPS_REMOTE_WORK = "tasks/cancel"  # an MCP call that runs whatever became of its task
+WATCH_PREFIX = "w"  # task:step:w<n>, the calls that watch a remote task while its owner is asked
+WATCH_AGAIN_AFTER = timedelta(seconds=60)  # a question that still stands is looked at again no sooner
 WATCHDOG_MARGIN = timedelta(milliseconds=500)
 WATCHDOG_STEP = timedelta(seconds=2)
 LOST = ("the gateway job running this call stopped before it answered, so the call may or may not have started; "
@@ -128,10 +131,27 @@ def request_abandon(task: Task, *, now: datetime) -> bool:
     return True
 
 
+def request_watch(task: Task, *, token: int, watch: OpRequest, now: datetime, step: int) -> datetime:
+    """Inside the commit of a step that asked its owner (`step`): the call that watches the remote
+    task meanwhile (task:step:w<n>; its outcome is the next step's, like the step's other calls).
+    Returns when it is due, for the gateway kick."""
+    return request(task, token=token, requests=[watch], now=now, prefix=WATCH_PREFIX, step=step)
+
+
+def is_watch(key: str) -> bool:
+    return f":{WATCH_PREFIX}" in key
+
+
 def _of_step(task_id: int, step: int):
     """The operations `step` requested (an abandon belongs to the task's end, not to a step)."""
     return (Operation.objects.filter(task_id=task_id, step=step, mode=GATEWAY)
             .exclude(key__startswith=f"{task_id}:{step}:a"))
+
+
+def _awaited_of_step(task_id: int, step: int):
+    """The operations of `step` that its task waits for: not a watch, which runs only while the owner
+    is asked, and which the next step reads as it finds it."""
+    return _of_step(task_id, step).exclude(key__startswith=f"{task_id}:{step}:{WATCH_PREFIX}")
 
 
 def outcomes(task_id: int, step: int) -> list[OpOutcome]:
@@ -145,12 +165,13 @@ def outcomes(task_id: int, step: int) -> list[OpOutcome]:
 
 
 def unfinished(task_id: int, step: int) -> bool:
-    return _of_step(task_id, step).exclude(status__in=FINISHED).exists()
+    """Whether the task still waits for a call of `step`."""
+    return _awaited_of_step(task_id, step).exclude(status__in=FINISHED).exists()
 
 
 def waits_on(task_id: int, step: int, kind: str) -> bool:
     """Whether an unfinished operation of `step` is of this pool."""
-    return _of_step(task_id, step).filter(kind=kind).exclude(status__in=FINISHED).exists()
+    return _awaited_of_step(task_id, step).filter(kind=kind).exclude(status__in=FINISHED).exists()
 
 
 def waits_on_tool(task_id: int, step: int) -> bool:
@@ -159,7 +180,7 @@ def waits_on_tool(task_id: int, step: int) -> bool:
 
 def first_due(task_id: int, step: int, now: datetime) -> datetime:
     """When the first unfinished operation of `step` is due, for a gateway kick."""
-    dues = list(_of_step(task_id, step).exclude(status__in=FINISHED).values_list("not_before", flat=True))
+    dues = list(_awaited_of_step(task_id, step).exclude(status__in=FINISHED).values_list("not_before", flat=True))
     return now if not dues or None in dues else max(now, min(dues))
 
 
@@ -201,8 +222,14 @@ def waiting_task() -> Q:
     return waiting & Q(step__gte=F("task__current_step") - 1)
 
 
+def watching_task() -> Q:
+    """Watch calls of a task that still waits for its owner's answer to the step that asked."""
+    return (Q(task__status=TaskStatus.WAITING_INPUT, key__contains=f":{WATCH_PREFIX}")
+            & Q(step=F("task__current_step") - 1))
+
+
 def _claimable() -> Q:
-    return waiting_task() | Q(kind="mcp", name=STOPS_REMOTE_WORK)
+    return waiting_task() | watching_task() | Q(kind="mcp", name=STOPS_REMOTE_WORK)
 
 
 def _due(now: datetime) -> Q:
@@ -339,7 +366,7 @@ def _finish(op_id: int, *, guard: Q, fields: dict[str, Any], retries_used: int =
     """Close an operation (if `guard` still holds); if it was the last its task waited for, make the next step due."""
     now = fields["finished_at"]
     with transaction.atomic():
-        op = Operation.objects.filter(pk=op_id).only("task_id", "step", "has_side_effects").first()
+        op = Operation.objects.filter(pk=op_id).only("task_id", "step", "key", "has_side_effects").first()
         if op is None:
             return False
         task = Task.objects.select_for_update().get(pk=op.task_id)  # one recorder per task at a time
@@ -352,12 +379,46 @@ def _finish(op_id: int, *, guard: Q, fields: dict[str, Any], retries_used: int =
                 # Work it started (a remote job) outlives a task that ended meanwhile: stop it, once.
                 request_abandon(task, now=now)
             return True
+        if is_watch(op.key):
+            if task.status == TaskStatus.WAITING_INPUT and op.step == task.current_step - 1:
+                _after_watch(task, op_id, now=now)
+            return True
         still_waiting = task.status == TaskStatus.WAITING_TOOL or (
             task.status == TaskStatus.RUNNING and task.waiting_reason in ("model", "tool"))
         if still_waiting and op.step >= task.current_step - 1 and not unfinished(task.pk, op.step):
             if transitions.operations_done(task, now=now):
                 kicks.kick("advance", task.pk)
     return True
+
+
+def _after_watch(task: Task, op_id: int, *, now: datetime) -> None:
+    """Inside the recorder's transaction, its task waiting for its owner: watch again later if the
+    question still stands, or withdraw it so that the next step reads what the watch saw."""
+    if task.cancel_requested_at or task.pause_requested_at:
+        return  # the stop acts on the task (tasks/liveness.py makes sure); no more watching
+    op = Operation.objects.get(pk=op_id)
+    if _question_stands(task, op):
+        request(task, token=op.fencing_token, now=now, prefix=WATCH_PREFIX, step=op.step, requests=[
+            OpRequest(op.kind, op.name, op.args, not_before=now + WATCH_AGAIN_AFTER)])
+        kicks.kick("operations", task.pk, at=now + WATCH_AGAIN_AFTER)
+        return
+    transitions.withdraw_question(task, now=now)  # queued: admission gives it a slot and kicks its step
+
+
+def _question_stands(task: Task, op: Operation) -> bool:
+    """What the driver makes of a finished watch call. One that failed on the way (the server out of
+    reach, a timeout) leaves the question standing; any other failure is for the next step to read."""
+    from tasks.drivers import get_driver
+
+    if op.status != OperationStatus.SUCCEEDED:
+        return op.error_class in (ErrorClass.TRANSIENT, ErrorClass.TIMEOUT, ErrorClass.RATE_LIMITED)
+    checkpoint = Checkpoint.objects.filter(task_id=task.pk).order_by("-step").first()
+    try:
+        driver = get_driver(task.kind)
+        return bool(driver.question_stands(checkpoint.state if checkpoint else {}, op.result))  # type: ignore[attr-defined]
+    except Exception:  # a driver's bug must not keep the task waiting on a question nobody can see through
+        log.exception("task %s: could not tell whether its question still stands", task.pk)
+        return False
 
 
 async def _execute(op: Operation, *, client: Any, budget: Any) -> tuple[Any, dict[str, Any]]:
@@ -393,8 +454,41 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
         error = InternalError(f"internal error in {op.kind} call {op.name} ({type(exc).__name__})",
                               detail=traceback.format_exc())
     usage = {**(usage or {}), "duration_ms": int((time.monotonic() - started) * 1000)}
-    await sync_to_async(record)(op.pk, owner=owner, result=result, error=error, usage=usage,
-                                retries_used=budget.used)
+    try:
+        await sync_to_async(record)(op.pk, owner=owner, result=result, error=error, usage=usage,
+                                    retries_used=budget.used)
+    except Exception:
+        if error is None:
+            await _compensate(op, result)
+        raise
+
+
+async def _compensate(op: Operation, result: Any) -> None:
+    """A remote job was created but its handle could not be recorded: nothing would ever follow or
+    stop it, so it is cancelled, once. The caller re-raises the recording's error; a failure here
+    is only logged."""
+    if op.kind != "mcp":
+        return
+    from tasks.mcp import calls
+
+    handle = remote_handle_of(result) if op.name == calls.CALL_TOOL else None
+    if handle is None:
+        return
+    log.error("operation %s: the remote task it created could not be recorded; cancelling it", op.key)
+    try:
+        from tasks.gateway.retry import RetryBudget
+
+        await calls.run(calls.CANCEL, {"server": op.args["server"], "remote": handle}, task_id=op.task_id,
+                        budget=RetryBudget(0))
+    except BaseException:
+        log.exception("operation %s: cancelling the unrecorded remote task failed too", op.key)
+
+
+def remote_handle_of(result: Any) -> str | None:
+    """The remote task id a tools/call's stored result carries, if it created one."""
+    task = result.get("task") if isinstance(result, dict) else None
+    handle = task.get("task_id") if isinstance(task, dict) else None
+    return handle if isinstance(handle, str) and handle else None
 
 
 class Watchdog:
@@ -421,6 +515,24 @@ class Watchdog:
             self.kick_id, self.at = None, None
 
 
+async def _hand_back(in_flight: set[asyncio.Task[None]], *, owner: str) -> None:
+    """Stop waiting for calls in flight and release them, so another gateway job runs them again under
+    the same key; a call that must never run twice is left to its lease (settle_lost_calls fails it)."""
+    for running in in_flight:
+        running.cancel()
+    await asyncio.gather(*in_flight, return_exceptions=True)
+    released = await sync_to_async(release)(owner=owner)
+    log.warning("gateway job draining: %s calls in flight handed back", released)
+
+
+def release(*, owner: str) -> int:
+    """A draining job's started calls back to pending, for another job; not those that must not run twice.
+    Their attempts stay counted, so a call that keeps hanging through drains is still bounded."""
+    return Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_owner=owner,
+                                    has_side_effects=False).update(
+        status=OperationStatus.PENDING, lease_owner="", lease_expires_at=None, started_at=None)
+
+
 async def pump(*, owner: str, run_for: float) -> int | None:
     """Claim and run operations until none are due or `run_for` seconds have passed; returns how
     many ran, or None when another job holds the gateway turn."""
@@ -439,7 +551,12 @@ async def pump(*, owner: str, run_for: float) -> int | None:
     try:
         async with httpx.AsyncClient(follow_redirects=False, limits=pool) as client:
             while True:
-                claiming = time.monotonic() < stop_claiming
+                claiming = time.monotonic() < stop_claiming and not draining.is_set()
+                if draining.is_set() and in_flight and drain.grace_over():
+                    # The worker is stopping: calls still out are handed to another worker, not waited for.
+                    await _hand_back(in_flight, owner=owner)
+                    in_flight.clear()
+                    break
                 if holding and not claiming and in_flight:
                     # The slice is over: let the next job claim while this one waits for its last calls.
                     await sync_to_async(end_gateway_turn)()
@@ -458,6 +575,10 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                     break
                 done, _ = await asyncio.wait(in_flight, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
                 in_flight -= done
+                for finished in done:
+                    if not finished.cancelled() and finished.exception() is not None:
+                        # Its outcome could not be recorded (the database refused it); its lease runs out.
+                        log.error("a call's outcome could not be recorded", exc_info=finished.exception())
     finally:
         if not in_flight:
             await sync_to_async(watchdog.withdraw)()  # every call it claimed is recorded

@@ -14,15 +14,27 @@ import logging
 import time
 import traceback
 from datetime import datetime, timedelta
+from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import IntegrityError, transaction
 
 from tasks import clock, kicks, leases, operations, transitions
-from tasks.stopping import must_win, driver_or_none, latest_checkpoint, stop_as_requested
+from tasks.alerts import raise_alert
 from tasks.budgets import Budget, retry_at
 from tasks.context import StepContext
-from tasks.drivers import Ask, Continue, Driver, Finish, Outcome, RemoteCancelling, get_driver, remote_cancelling
+from tasks.drain import draining
+from tasks.drivers import (
+    Ask,
+    Continue,
+    Driver,
+    Finish,
+    Outcome,
+    RemoteCancelling,
+    RemoteFacts,
+    get_driver,
+    remote_cancelling,
+)
 from tasks.errors import (
     BudgetExhausted,
     CancelRequested,
@@ -35,15 +47,16 @@ from tasks.errors import (
     RemoteFailed,
     StepError,
 )
-from tasks.drain import draining
 from tasks.events import NewEvent, append
 from tasks.heartbeat import heartbeat
-from tasks.alerts import raise_alert
 from tasks.models import Alert, Checkpoint, Task
 from tasks.statuses import ErrorClass
+from tasks.stopping import driver_or_none, latest_checkpoint, must_win, stop_as_requested
 
 log = logging.getLogger(__name__)
 DEFER_FOR = timedelta(seconds=60)
+ALREADY_TRACKED = "this remote task is already tracked by another of your tasks"
+MAX_REMOTE_ERROR_CHARS = 4000  # a remote task's last poll or cancel error, as stored
 
 
 def run(task: Task, *, owner: str) -> None:
@@ -138,6 +151,11 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             # What a step learned from a remote server after the cancel request is discarded (DESIGN §10).
             stop_as_requested(fresh, now=now, token=token)
             return None
+        if outcome.remote is not None and not _remember_remote(fresh, token, outcome.remote):
+            must_win(transitions.fail(fresh, now=now, token=token, error_class=ErrorClass.PERMANENT,
+                                      message=ALREADY_TRACKED))
+            # No abandon: the remote task is another task's work, which must go on.
+            return None
         events = [*ctx.events, *outcome.events]
         # A poll that learned nothing new is no step: no checkpoint (the last one says the same) and no step
         # counted, only its next poll, which joins the calls of the step that asked for the first.
@@ -152,7 +170,13 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             return None
         stop_requested = bool(fresh.cancel_requested_at or fresh.pause_requested_at)
         if isinstance(outcome, Ask) and not stop_requested:
-            must_win(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events))
+            asking_step = fresh.current_step
+            must_win(transitions.wait_input(fresh, token=token, now=now, question=outcome.question, events=events,
+                                            form=outcome.form))
+            if outcome.watch is not None:
+                # Runs while the owner thinks; tasks/operations.py withdraws the question if the remote moved on.
+                due = operations.request_watch(fresh, token=token, watch=outcome.watch, now=now, step=asking_step)
+                kicks.kick("operations", task.pk, at=due)
             return None
         if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
             _wait_for_requests(fresh, token, outcome, events, now=now, step_done=not quiet)
@@ -205,6 +229,8 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
+        if outcome is not None and outcome.remote is not None:
+            _remember_remote(fresh, token, outcome.remote)
         if outcome is None or not outcome.requests:
             events = [*ctx.events, *(outcome.events if outcome else [])]
             if events:
@@ -217,6 +243,41 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
                                       state=outcome.state, schema_version=get_driver(task.kind).schema_version, at=now)
         _wait_for_requests(fresh, token, outcome, events, now=now)
     return None
+
+
+def _remember_remote(task: Task, token: int, facts: RemoteFacts) -> bool:
+    """Inside the fenced commit: store what the step learned about its remote task on the task row.
+    False when the handle is one this owner already tracks on that server (nothing is written then)."""
+    fields = remote_fields(facts)
+    if not fields:
+        return True
+    try:
+        with transaction.atomic():  # a savepoint: a refused handle leaves the step's transaction usable
+            Task.objects.filter(pk=task.pk, fencing_token=token).update(**fields)
+    except IntegrityError:
+        if facts.handle is None:
+            raise
+        log.info("task %s: its remote task is already tracked by another task of its owner", task.pk)
+        return False
+    for name, value in fields.items():
+        setattr(task, name, value)
+    return True
+
+
+def remote_fields(facts: RemoteFacts) -> dict[str, Any]:
+    """The task columns a RemoteFacts sets (None leaves a column as it is)."""
+    fields: dict[str, Any] = {}
+    if facts.handle is not None:
+        fields["remote_handle"] = facts.handle or None
+    if facts.server is not None:
+        fields["remote_server"] = facts.server[:64]
+    if facts.poll_error is not None:
+        fields["remote_poll_error"] = facts.poll_error[:MAX_REMOTE_ERROR_CHARS]
+    if facts.cancel_attempts is not None:
+        fields["remote_cancel_attempts"] = max(0, facts.cancel_attempts)
+    if facts.cancel_error is not None:
+        fields["remote_cancel_error"] = facts.cancel_error[:MAX_REMOTE_ERROR_CHARS]
+    return fields
 
 
 def _defer(task: Task, token: int, *, reason: str) -> None:

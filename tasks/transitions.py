@@ -65,6 +65,8 @@ def _move(
         notifications.note(task, event=to, now=now)
     if to in TERMINAL:
         _close_pending_operations(task, now=now)
+    elif was == S.WAITING_INPUT:
+        _close_pending_watch(task, now=now)
     _admit_after(was, to, now=now)
     return True
 
@@ -74,6 +76,15 @@ def _close_pending_operations(task: Task, *, now: datetime) -> None:
     closed with it, so none waits forever (calls in flight record their outcome as usual)."""
     Operation.objects.filter(task_id=task.pk, status=OperationStatus.PENDING).update(
         status=OperationStatus.FAILED, error_class="cancelled", error_message="its task ended before it ran",
+        finished_at=now)
+
+
+def _close_pending_watch(task: Task, *, now: datetime) -> None:
+    """A task no longer waiting for its owner stops watching its remote task: the watch calls not
+    yet taken are closed (one in flight records its outcome, which the next step may read)."""
+    # task:step:w<n> (operations.WATCH_PREFIX; operations builds on this module, so not imported)
+    Operation.objects.filter(task_id=task.pk, status=OperationStatus.PENDING, key__contains=":w").update(
+        status=OperationStatus.FAILED, error_class="cancelled", error_message="its task stopped waiting for input",
         finished_at=now)
 
 
@@ -211,22 +222,43 @@ def wait_for_remote(
                          tracking_degraded=tracking_degraded)
 
 
-def wait_input(task: Task, *, token: int, now: datetime, question: str, events: list[NewEvent]) -> bool:
-    """running -> waiting_input: the task asks its owner; it holds no slot until answered."""
+def wait_input(task: Task, *, token: int, now: datetime, question: str, events: list[NewEvent],
+               form: dict[str, Any] | None = None) -> bool:
+    """running -> waiting_input: the task asks its owner; it holds no slot until answered.
+    `form`: the requested schema of a structured answer (None: free text)."""
     return _move(
         task, S.WAITING_INPUT, allowed_from={S.RUNNING}, now=now, token=token,
-        fields={**_released(), "next_run_at": None, "question": question[:4000], "answer": "",
+        fields={**_released(), "next_run_at": None, "question": question[:4000],
+                "question_form": form, "answer": "", "answer_data": None,
                 "current_step": task.current_step + 1, "last_progress_at": now, "attempts": 0,
                 "waiting_reason": "input", "tracking_degraded": False},
         events=[*events, NewEvent("input_required", {"question": question[:4000]})],
     )
 
 
-def answer(task: Task, *, now: datetime, text: str) -> bool:
-    """waiting_input -> queued with the owner's answer; admission gives it a slot again."""
+def answer(task: Task, *, now: datetime, text: str, data: dict[str, Any] | None = None) -> bool:
+    """waiting_input -> queued with the owner's answer (`data`: a structured one, checked against
+    the question's form by the caller); admission gives it a slot again."""
     return _move(task, S.QUEUED, allowed_from={S.WAITING_INPUT}, now=now,
-                 fields={"answer": text[:10000], "waiting_reason": "", "next_run_at": None},
+                 fields={"answer": text[:10000], "answer_data": data, "waiting_reason": "", "next_run_at": None},
                  events=[NewEvent("input_received", {})])
+
+
+def withdraw_question(task: Task, *, now: datetime) -> bool:
+    """waiting_input -> queued without an answer: the remote task the question came from moved on
+    (answered elsewhere, expired, cancelled), as a watch call saw; the next step reads that call."""
+    return _move(task, S.QUEUED, allowed_from={S.WAITING_INPUT}, now=now,
+                 fields={"question": "", "question_form": None, "answer": "", "answer_data": None,
+                         "waiting_reason": "", "next_run_at": None},
+                 events=[NewEvent("question_withdrawn", {})]) and _told(task, "question_withdrawn", now=now)
+
+
+def _told(task: Task, event: str, *, now: datetime) -> bool:
+    """After a won move: an event worth telling the task's thread (DESIGN §7)."""
+    from tasks import notifications
+
+    notifications.note(task, event=event, now=now)
+    return True
 
 
 def operations_done(task: Task, *, now: datetime) -> bool:

@@ -1,8 +1,9 @@
 // The chat page: wires the thread list, the conversation, the composer and the task
 // panel together, and owns the page-level things (drawers, the heading, the address bar).
 
+import { api } from "./api.js";
 import { Composer } from "./composer.js";
-import { gettext } from "./i18n.js";
+import { gettext, interpolate } from "./i18n.js";
 import { TaskPanel } from "./task_panel.js";
 import { ThreadList } from "./thread_list.js";
 import { ThreadView } from "./thread_view.js";
@@ -15,6 +16,8 @@ const scrim = document.getElementById("scrim");
 const heading = document.getElementById("thread-heading");
 const input = document.getElementById("composer-input");
 const narrowPanel = window.matchMedia("(max-width: 1099.98px)");
+const featuresError = document.getElementById("features-error");
+let panelOn = false; // GET /api/features said the task panel is on, and it has been started
 
 // --- drawers ---------------------------------------------------------------------------
 //
@@ -91,6 +94,7 @@ const tasks = new TaskPanel({
     if (narrowPanel.matches) setPanelOpen(false, { restoreFocus: false });
     conversation.highlight(message);
   },
+  onTaskUpdate: (task) => conversation.noteTask(task),
 });
 
 const threads = new ThreadList({
@@ -124,9 +128,10 @@ const conversation = new ThreadView({
       threads.add({ id: thread.id, title: thread.title });
       showTitle(thread.title || gettext("Untitled thread"));
       conversation.adoptThread(thread.id);
-      tasks.setThread(thread.id);
+      if (panelOn) tasks.setThread(thread.id);
     },
     onTaskMessage: (taskId) => tasks.noteTaskMessage(taskId),
+    onAnswered: () => { if (panelOn) tasks.refresh({ force: true }); },
     onShowTask: async (taskId) => {
       setPanelOpen(true, { focusPanel: false });
       if (!tasks.reveal(taskId)) {
@@ -159,14 +164,46 @@ languageSwitch?.addEventListener("submit", () => {
   languageSwitch.querySelector('input[name="next"]').value = location.pathname;
 });
 
+// --- features --------------------------------------------------------------------------
+//
+// What this deployment offers (GET /api/features): parts of the page marked
+// data-feature="task_panel", "remote_tools" or "corpus" start hidden and are shown only
+// when that feature is on. If the answer cannot be had, the panel stays hidden and a
+// notice says so, with a way to try again, rather than a panel that cannot work.
+
+async function loadFeatures() {
+  try {
+    const features = await api("/api/features");
+    featuresError.hidden = true;
+    const on = { task_panel: features.task_panel, remote_tools: features.remote_tools,
+                 corpus: features.research.corpus };
+    for (const element of document.querySelectorAll("[data-feature]")) {
+      element.hidden = !on[element.dataset.feature];
+    }
+    if (features.task_panel && !panelOn) {
+      panelOn = true;
+      return tasks.setThread(app.dataset.threadId || null);
+    }
+  } catch (error) {
+    featuresError.querySelector("[data-error-text]").textContent =
+      interpolate(gettext("Couldn't load what this workspace offers, so the task panel is hidden. %(error)s"),
+        { error: error.message });
+    featuresError.hidden = false;
+  }
+  return undefined;
+}
+
+featuresError.querySelector("button").addEventListener("click", () => loadFeatures());
+
 // --- start -----------------------------------------------------------------------------
 
 if (app.dataset.threadId) {
   // The stream opens once messages and tasks are loaded: what it replays can then be told
   // apart from what is new.
-  await Promise.all([conversation.start(), tasks.setThread(app.dataset.threadId)]);
+  await Promise.all([conversation.start(), loadFeatures()]);
   composer.setReady();
   conversation.openStream();
 } else {
   composer.setReady();
+  await loadFeatures();
 }

@@ -10,6 +10,7 @@ import { h } from "./dom.js";
 import { clockTime, duration, number } from "./format.js";
 import { gettext, interpolate, ngettext } from "./i18n.js";
 import { renderMarkdown } from "./markdown.js";
+import { questionForm } from "./question_form.js";
 import { openTaskStream } from "./task_stream.js";
 
 // Why a task failed or a source was skipped (tasks.statuses.ErrorClass), in words.
@@ -69,15 +70,29 @@ const EVENT_WORDS = {
   deferred: () => gettext("Waiting for a free slot"),
   stalled: () => gettext("No progress for a while"),
   lease_released: () => gettext("Handed back by its worker"),
-  remote_started: (d) => interpolate(gettext("Started %(tool)s on %(server)s"), d),
+  remote_started: (d) => (d.server ? interpolate(gettext("Started %(tool)s on %(server)s"), d)
+    : interpolate(gettext("Started %(tool)s"), d)),
+  question_withdrawn: () => gettext("The question was withdrawn"),
   progress: (d) => d.message,
   answer_sent: () => gettext("Sent your answer to the remote tool"),
   tracking_degraded: () => gettext("The remote server stopped answering; still trying"),
   tracking_restored: () => gettext("The remote server answers again"),
   cancelling_remote: () => gettext("Asking the remote server to stop"),
   remote_cancel_sent: () => gettext("The remote server was asked to stop"),
-  remote_cancel_unconfirmed: () => gettext("The remote server did not confirm the stop"),
+  remote_cancel_unconfirmed: (d) => (d.attempts
+    ? interpolate(ngettext("The remote server did not confirm the stop after %(attempts)s attempt",
+      "The remote server did not confirm the stop after %(attempts)s attempts", d.attempts), d)
+    : gettext("The remote server did not confirm the stop")),
 };
+
+/** "Cancelling… (attempt 2: the server did not answer)": a remote task's cancel, while it is retried. */
+export function cancellingWords(task) {
+  if (!task.cancel_attempts) return gettext("Cancelling…");
+  const words = task.cancel_error
+    ? gettext("Cancelling… (attempt %(attempt)s: the server did not answer)")
+    : gettext("Cancelling… (attempt %(attempt)s)");
+  return interpolate(words, { attempt: task.cancel_attempts });
+}
 
 /** The words for one event of the timeline. */
 export function describeEvent(event) {
@@ -122,8 +137,8 @@ export class TaskDetails {
     this.detail = null;
     this.result = null;
     this.resultVersion = 0;
-    this.answerDraft = "";
-    this.answered = null; // {question, answer} given here, shown from then on
+    this.answerDraft = {}; // what was typed into the answer form, kept while the form is redrawn
+    this.answered = null; // {question, words} given here, shown from then on
     this.build();
   }
 
@@ -254,12 +269,21 @@ export class TaskDetails {
     const task = this.task;
     // Rebuilt only when what they say changes: an answer being typed must survive a refresh.
     const key = JSON.stringify([task.status, task.cancel_requested, task.error_class, task.error_message,
-                                task.notification, task.question, this.answered]);
+                                task.notification, task.question, task.question_fields, task.tracking_degraded,
+                                task.remote_error, task.cancel_attempts, task.cancel_error, this.answered]);
     if (key === this.notesKey) return;
     this.notesKey = key;
     const notes = [];
     if (task.cancel_requested && !task.is_terminal) {
-      notes.push(h("p", { class: "note" }, gettext("Cancelling: the task stops at its next safe point.")));
+      notes.push(h("p", { class: "note", dataset: { cancelling: "" } }, task.cancel_attempts
+        ? cancellingWords(task) : gettext("Cancelling: the task stops at its next safe point.")));
+      if (task.cancel_error) notes.push(h("p", { class: "note-detail" }, task.cancel_error));
+    }
+    if (task.tracking_degraded && !task.is_terminal) {
+      notes.push(h("div", { class: "note warning" },
+        h("strong", {}, gettext("The remote server stopped answering; Longhaul keeps trying.")),
+        task.remote_error ? h("p", {}, interpolate(gettext("Last error: %(error)s"), { error: task.remote_error }))
+          : null));
     }
     if (task.status === "paused") {
       notes.push(h("p", { class: "note" }, gettext("Paused with everything it has done so far. Resume to go on.")));
@@ -275,44 +299,20 @@ export class TaskDetails {
     }
     const answeredThis = this.answered && this.answered.question === task.question;
     if (task.status === "waiting_input" && !answeredThis) notes.push(this.answerForm());
-    if (this.answered) {
-      const said = interpolate(gettext("You answered: %(answer)s"), this.answered);
-      notes.push(h("p", { class: "note", role: "status" }, said));
-    }
+    if (this.answered) notes.push(h("p", { class: "note", role: "status" }, this.answered.words));
     this.notes.replaceChildren(...notes);
   }
 
   answerForm() {
-    const id = `answer-${this.task.id}`;
-    const input = h("textarea", { id, rows: 2, required: true });
-    input.value = this.answerDraft;
-    input.addEventListener("input", () => { this.answerDraft = input.value; });
-    const error = h("p", { class: "field-error", role: "alert", hidden: true });
-    const button = h("button", { type: "submit", class: "button small primary" }, gettext("Send answer"));
-    const form = h("form", { class: "answer-form note question" },
-      h("label", { for: id },
-        h("strong", {}, gettext("The task asks:")), " ", this.task.question || gettext("(no question text)")),
-      input, error, h("div", { class: "form-actions" }, button));
-    form.addEventListener("submit", async (event) => {
-      event.preventDefault();
-      const answer = input.value.trim();
-      if (!answer) return;
-      button.disabled = true;
-      button.textContent = gettext("Sending…");
-      try {
-        await api(`/api/tasks/${this.task.id}/answer`, { method: "POST", body: { answer } });
-        this.answerDraft = "";
-        this.answered = { question: this.task.question, answer };
+    return questionForm(this.task, {
+      fields: this.task.question_fields || [],
+      draft: this.answerDraft,
+      onAnswered: (words) => {
+        this.answered = { question: this.task.question, words };
         this.renderNotes();
         this.callbacks.onAnswered();
-      } catch (failure) {
-        error.textContent = failure.message;
-        error.hidden = false;
-        button.disabled = false;
-        button.textContent = gettext("Send answer");
-      }
+      },
     });
-    return form;
   }
 
   renderFacts() {

@@ -11,7 +11,7 @@ import { api } from "./api.js";
 import { fromTemplate } from "./dom.js";
 import { fullTime, timeAgo } from "./format.js";
 import { gettext, interpolate } from "./i18n.js";
-import { TaskDetails } from "./task_details.js";
+import { TaskDetails, cancellingWords } from "./task_details.js";
 
 const STATUS_WORDS = {
   queued: gettext("Queued"),
@@ -59,6 +59,7 @@ const MAX_ERROR_BACKOFF_MS = 60_000;
 
 function phaseWords(task) {
   if (task.is_terminal) return "";
+  if (task.cancel_requested && task.cancel_attempts) return cancellingWords(task);
   if (task.status === "queued") return gettext("Waiting for a slot");
   if (task.status === "waiting_input") return gettext("Question for you");
   if (task.status === "paused" || task.status === "partial") return "";
@@ -76,8 +77,10 @@ export class TaskPanel {
   /**
    * `onTaskNews(taskId)`: a task reached a status the assistant will post about.
    * `findReport(taskId)` / `onShowReport(element)`: the report message in the thread.
+   * `onTaskUpdate(task)`: each row as it is listed (the thread's question forms follow them).
    */
-  constructor({ panel, badge, live, onTaskNews = () => {}, findReport = () => null, onShowReport = () => {} }) {
+  constructor({ panel, badge, live, onTaskNews = () => {}, findReport = () => null, onShowReport = () => {},
+                onTaskUpdate = () => {} }) {
     this.panel = panel;
     this.badge = badge;
     this.live = live;
@@ -87,7 +90,7 @@ export class TaskPanel {
     this.errorBox = panel.querySelector("#panel-error");
     this.activeMs = Number(panel.dataset.pollActiveMs) || 3000;
     this.idleMs = Number(panel.dataset.pollIdleMs) || 15000;
-    this.callbacks = { onTaskNews, findReport, onShowReport };
+    this.callbacks = { onTaskNews, findReport, onShowReport, onTaskUpdate };
 
     this.threadId = null;
     this.tasks = new Map(); // id -> the latest row data
@@ -248,6 +251,7 @@ export class TaskPanel {
       // events then arrive already listed).
       const news = before ? before.status !== task.status : !first;
       if (news && NEWSWORTHY.has(task.status)) this.callbacks.onTaskNews(task.id);
+      this.callbacks.onTaskUpdate(task);
     }
     for (const [id, row] of this.rows) {
       if (!seen.has(id)) {

@@ -5,12 +5,18 @@
 // and two safety nets: every data-busy-poll-ms (2 s) while a run is active ("busy"),
 // and for a while after a task reached a status the assistant posts about, until that
 // post is here. The panel reports those tasks (expectNotice).
+//
+// A message telling of a task's question carries the answer form under it, while the task
+// still asks that question (the newest such message only); answered or withdrawn, in the
+// panel or here, the form goes away. What the task asks is read from the task itself, and
+// again whenever the thread's stream or the panel brings news of it (noteTask).
 
 import { api, newIdempotencyKey } from "./api.js";
 import { h } from "./dom.js";
 import { fullTime, shortTime } from "./format.js";
 import { gettext, interpolate } from "./i18n.js";
 import { renderMarkdown } from "./markdown.js";
+import { questionForm } from "./question_form.js";
 import { openStream } from "./task_stream.js";
 
 const PAGE = 100;
@@ -23,7 +29,8 @@ export class ThreadView {
    * Callbacks: onBusy(busy) for the composer, onStreamItem(item) for the task panel,
    * onReconnected() after the socket came back, onThreadCreated(thread) when the first
    * message made a thread, onShowTask(taskId) for a message's "Show task" button, and
-   * onTaskMessage(taskId) when a message about a task arrived (its report, say).
+   * onTaskMessage(taskId) when a message about a task arrived (its report, say), and
+   * onAnswered(taskId) after a question was answered in the thread.
    */
   constructor({ threadId, conversation, messages, state, connection, welcome, callbacks }) {
     this.threadId = threadId || null;
@@ -45,6 +52,7 @@ export class ThreadView {
     this.pollTimer = null;
     this.failures = 0;
     this.notices = new Map(); // task id -> {after: message id, until: ms}
+    this.questions = new Map(); // task id -> {slot, key, draft, answered}: the form under its newest asking message
     this.stream = null;
     this.everLive = false;
     this.streamStatus = null;
@@ -150,6 +158,7 @@ export class ThreadView {
       after: 0,
       onEvent: (item) => {
         this.callbacks.onStreamItem(item);
+        if (this.questions.has(item.task)) this.loadQuestion(item.task);
         this.refresh();
       },
       onStatus: (status) => this.setConnection(status),
@@ -249,6 +258,54 @@ export class ThreadView {
     if (this.welcome) this.welcome.hidden = true;
     if (stick || pending) this.scrollToEnd();
     if (message.task && message.role !== "user") this.callbacks.onTaskMessage(message.task);
+    if (message.asks && message.task) this.askIn(element, message.task);
+  }
+
+  // --- questions ------------------------------------------------------------------------
+
+  /** The newest message asking `taskId`'s question holds its form; an older one lets it go. */
+  askIn(element, taskId) {
+    const slot = h("div", { class: "message-question" });
+    element.append(slot);
+    const entry = this.questions.get(taskId);
+    if (entry) entry.slot.replaceChildren();
+    this.questions.set(taskId, { slot, key: null, draft: {}, answered: null });
+    this.loadQuestion(taskId);
+  }
+
+  async loadQuestion(taskId) {
+    try {
+      this.noteTask(await api(`/api/tasks/${taskId}`));
+    } catch {
+      // The panel's next list, or the next stream item, tries again.
+    }
+  }
+
+  /** Fresher facts about a task (from the panel's list or the task's detail). */
+  noteTask(task) {
+    const entry = this.questions.get(task.id);
+    if (!entry) return;
+    const asking = task.status === "waiting_input";
+    const key = JSON.stringify([asking, task.question, task.question_fields, entry.answered]);
+    if (key === entry.key) return; // unchanged: a half-filled form stays as it is
+    entry.key = key;
+    if (entry.answered && entry.answered.question === task.question && (asking || entry.answered.shown)) {
+      entry.answered.shown = true;
+      entry.slot.replaceChildren(h("p", { class: "note", role: "status" }, entry.answered.words));
+    } else if (asking) {
+      entry.answered = null;
+      entry.slot.replaceChildren(questionForm(task, {
+        fields: task.question_fields || [],
+        draft: entry.draft,
+        onAnswered: (words) => {
+          entry.answered = { question: task.question, words };
+          this.noteTask(task);
+          this.callbacks.onAnswered(task.id);
+        },
+      }));
+    } else {
+      entry.slot.replaceChildren(); // answered elsewhere, or withdrawn: nothing left to answer here
+    }
   }
 
   renderMessage(message) {

@@ -35,6 +35,18 @@ class OpRequest:
 
 
 @dataclass(frozen=True)
+class RemoteFacts:
+    """What a step learned about its remote task, stored on the task row in the step's commit.
+    None leaves a column as it is; "" clears a text."""
+
+    handle: str | None = None  # the remote task id: unique per owner and server, never shown
+    server: str | None = None  # the configured server's name, with the handle
+    poll_error: str | None = None  # the last poll error, redacted and bounded by the driver
+    cancel_attempts: int | None = None  # remote cancel attempts made so far
+    cancel_error: str | None = None  # why the last remote cancel attempt failed
+
+
+@dataclass(frozen=True)
 class Continue:
     """The next state; with requests, the task waits (holding no worker) until a gateway job has run them all.
     `tracking_degraded`, when not None, sets or clears the task's remote-tracking flag."""
@@ -43,6 +55,7 @@ class Continue:
     events: list[NewEvent] = field(default_factory=list)
     requests: list[OpRequest] = field(default_factory=list)
     tracking_degraded: bool | None = None
+    remote: RemoteFacts | None = None
 
 
 @dataclass(frozen=True)
@@ -50,15 +63,24 @@ class Finish:
     state: dict[str, Any]
     result: dict[str, Any]
     events: list[NewEvent] = field(default_factory=list)
+    remote: RemoteFacts | None = None
 
 
 @dataclass(frozen=True)
 class Ask:
-    """Stop and ask the task's owner; the next step runs once they answer (ctx.answer)."""
+    """Stop and ask the task's owner; the next step runs once they answer (ctx.answer, ctx.answer_data).
+
+    `form`: the requested schema of a structured answer (None: free text). `watch`: a call that
+    runs while the task waits for its owner (a slow poll of a remote task); when it finishes and
+    the driver's `question_stands(state, result)` says the question is gone, the question is
+    withdrawn and the next step reads the call's outcome."""
 
     state: dict[str, Any]
     question: str
     events: list[NewEvent] = field(default_factory=list)
+    remote: RemoteFacts | None = None
+    form: dict[str, Any] | None = None
+    watch: OpRequest | None = None
 
 
 Outcome = Continue | Finish | Ask
@@ -97,6 +119,11 @@ class RemoteCancelling(Protocol):
     def remote_to_cancel(self, task_id: int, state: dict[str, Any] | None) -> bool: ...
 
     def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Continue | None: ...
+
+    def question_stands(self, state: dict[str, Any], result: Any) -> bool:
+        """Whether an Ask's `watch` call, finished with `result`, still shows the asked question open;
+        False withdraws the question and the next step reads the call's outcome."""
+        ...
 
     def abandon(self, task: Task, state: dict[str, Any] | None) -> list[OpRequest]:
         """The calls that tell the remote to stop, once, when the task ends for another reason (its budget,

@@ -4,26 +4,40 @@ Input: {server, tool, arguments}. Like every driver, a step never talks to the n
 requests MCP calls (tasks/mcp/calls.py) that gateway jobs run in the `mcp` pool, and the next
 step reads their outcome. The first step requests the tools/call (with the Tasks extension;
 requested `once`, so a gateway job that dies during it fails it rather than calls the tool
-twice); a server that answers at once ends the task there. Otherwise the remote task id goes
-into the checkpoint, which never leaves the server, and each later step reads one poll's
-outcome and requests the next poll, due at the server's poll interval: one step per poll,
-and meanwhile the task is running, waiting on that unfinished call, holding no worker. Remote
-statuses map onto the task's (DESIGN §10):
+twice); a server that answers at once ends the task there, and one that asks before it creates
+a task (an input-required result) has its questions asked of the owner, then is called again
+with the answers. Otherwise the remote task id goes to the task row (`RemoteFacts`, unique per
+owner and server, never shown) and into the checkpoint, and each later step reads one poll's
+outcome and requests the next poll: one step per poll, and meanwhile the task is running,
+waiting on that unfinished call, holding no worker. Remote statuses map onto the task's
+(DESIGN §10):
 
     working         -> running (the next poll is due at the server's interval)
-    input_required  -> waiting_input (the owner's answer goes back with tasks/update)
+    input_required  -> waiting_input, one question at a time (the answer goes back with
+                       tasks/update; a key once answered is never asked or answered again,
+                       however many polls still list it)
     completed       -> succeeded (a tool-level error: failed, its result kept)
     failed          -> failed
     cancelled       -> cancelled
     gone / expired  -> failed, saying so
+    malformed       -> failed at once, a protocol error
 
-A poll that errors backs off; after DEGRADED_AFTER errors in a row the task is flagged
-`tracking_degraded` (cleared by the next good poll). A poll that learns nothing new writes no
-checkpoint and counts no step; a remote task is bounded by its wall time, not max_steps. A cancel
-request runs `cancel_step` rounds instead: tasks/cancel, then polls until the remote confirms
-or is gone, or until LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS pass, so a cancel always ends; a poll
-answered after the request is never acted on. A task that ends otherwise (its budget, an
-error) requests one tasks/cancel in the transaction that ends it (`abandon`).
+Timing: the next poll is due at the last poll's completion time plus the server's
+pollIntervalMs, kept within [LONGHAUL_MCP_POLL_FLOOR_MS, 24 h] and never after the task's
+wall-time deadline. A poll that errors backs off min(interval * 2^(n-1), cap) from the failed
+call's completion time; after DEGRADED_AFTER errors in a row the task is flagged
+`tracking_degraded` and its last (redacted) poll error is kept, both cleared by the next good
+poll. While the owner is asked, a slow poll (the Ask's `watch`, no sooner than a minute) notices
+a remote task that moved on, and the question is withdrawn (`question_stands`).
+
+A poll that learns nothing new writes no checkpoint and counts no step; a remote task is bounded
+by its wall time, not max_steps. A cancel request runs `cancel_step` rounds instead:
+tasks/cancel (counted; a failure is kept and retried with backoff from the failure), then polls
+until the remote confirms or is gone, or until LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS pass, so a
+cancel always ends; a poll answered after the request is never acted on. A task that ends
+otherwise (its budget, an error) requests one tasks/cancel in the transaction that ends it
+(`abandon`), unless the last poll saw the remote task stopped, or the handle belongs to another
+of the owner's tasks. Every text shown is redacted of the remote id and the server's internals.
 """
 
 from __future__ import annotations
@@ -35,19 +49,26 @@ from typing import Any, ClassVar
 from django.conf import settings
 
 from tasks import clock
+from tasks.budgets import Budget
 from tasks.context import StepContext
-from tasks.drivers import Ask, Continue, Finish, OpRequest, Outcome, PartialResult
+from tasks.drivers import Ask, Continue, Finish, OpRequest, Outcome, PartialResult, RemoteFacts
 from tasks.errors import InvalidInput, PermanentError, RemoteCancelled, RemoteFailed, StepError
 from tasks.events import NewEvent
-from tasks.mcp import calls, client, config
+from tasks.mcp import calls, client, config, forms
 from tasks.models import Operation, Task, Tenant
 from tasks.operations import OpOutcome
 from tasks.statuses import ErrorClass, OperationStatus
 
 DEGRADED_AFTER = 3
 GONE = "the remote task is gone: the MCP server no longer knows it (its time to live may have passed)"
+ALREADY_TRACKED = "this remote task is already tracked by another of your tasks"
 MAYBE_STARTED = calls.MAYBE_STARTED
 MAX_ARGUMENTS_BYTES = 64_000
+MAX_HANDLE_CHARS = 255  # Task.remote_handle
+POLL_CEILING = timedelta(hours=24)
+WATCH_EVERY = timedelta(seconds=60)  # polls while the owner is asked: no sooner than this
+STOPPED = ("completed", "failed", "cancelled", "gone")  # remote statuses after which nothing is cancelled
+DEFAULT_QUESTION = "The remote tool needs your input."
 LEGACY_SUBMIT = "mcp.call_tool"  # the submission's ledger entry when steps called the server themselves
 
 
@@ -87,26 +108,29 @@ class McpDriver:
         return {"server": name, "tool": tool, "arguments": arguments}
 
     def initial_state(self, task_input: dict[str, Any]) -> dict[str, Any]:
-        # awaiting: the call the last step requested, whose outcome the next step reads
-        # (None, "call", "poll", "update"; in cancel rounds "cancel", "cancel_poll").
-        return {"remote": None, "errors": 0, "degraded": False, "message": "", "asked": [], "poll_ms": None,
-                "awaiting": None}
+        # awaiting: the call the last step requested, whose outcome the next step reads (None, "call",
+        # "poll", "update", "watch"; in cancel rounds "cancel", "cancel_poll"). asking: the question out
+        # ({key, method, message, schema}). answered: input-request keys answered, never asked again.
+        # before: questions a server asked before creating its task ({requests, responses, request_state}).
+        return {"remote": None, "errors": 0, "degraded": False, "message": "", "poll_ms": None,
+                "awaiting": None, "asking": None, "answered": [], "before": None}
 
     # --- steps ------------------------------------------------------------------------
 
     def step(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
         _server_config(ctx.task)  # still configured for this workspace (the file, not the network)
-        awaiting = state.get("awaiting")
+        state = _upgraded({**self.initial_state(ctx.input), **state})
+        awaiting = state["awaiting"]
         if awaiting == "call":
             return self._after_call(state, ctx, _awaited(ctx))
+        if state["asking"] is not None:
+            return self._after_question(state, ctx)
         if state["remote"] is None:
             return self._submit(state, ctx)
         if awaiting == "update":
             return self._after_update(state, ctx, _awaited(ctx))
         if awaiting == "poll":
             return self._after_poll(state, ctx, _awaited(ctx))
-        if state["asked"]:
-            return self._send_answer(state, ctx)
         return self._poll(state, ctx, at=None)  # nothing out (a checkpoint from before calls were operations)
 
     def _submit(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
@@ -126,91 +150,193 @@ class McpDriver:
         if outcome is None or not outcome.finished:
             raise PermanentError(MAYBE_STARTED, detail="the tool call's outcome is missing")
         if not outcome.ok:
+            message = _shown(outcome.error_message, ctx)
             if outcome.error_class == ErrorClass.TRANSIENT:  # provably not sent, each time the gateway tried
-                raise GaveUp(f"gave up: {outcome.error_message}")
+                raise GaveUp(f"gave up: {message}")
             if outcome.error_class == ErrorClass.PERMANENT:  # the server's answer, classified by the gateway
-                raise PermanentError(outcome.error_message)
+                raise PermanentError(message)
             # Its gateway job died, or ran out of time: MCP cannot tell whether the tool started.
             raise PermanentError(MAYBE_STARTED, detail=outcome.error_message)
         if "completed" in outcome.result:
-            return self._finish(state, outcome.result["completed"])
+            return self._finish(state, ctx, outcome.result["completed"])
+        if "input_needed" in outcome.result:
+            # The server asks before it creates a task: ask the owner, then call again with the answers.
+            needed = outcome.result["input_needed"]
+            before = {"requests": needed["requests"], "responses": {}, "request_state": needed["request_state"]}
+            return self._ask_next({**state, "awaiting": None, "before": before}, ctx, [])
         remote = outcome.result["task"]
+        handle = str(remote["task_id"])
+        if len(handle) > MAX_HANDLE_CHARS:
+            # Not stored (it would not fit); the task's end cancels it once (abandon).
+            raise PermanentError(f"protocol error: the MCP server's task id is {len(handle)} characters long, "
+                                 f"over the limit of {MAX_HANDLE_CHARS}")
+        if _tracked_elsewhere(ctx.task, handle):
+            raise PermanentError(ALREADY_TRACKED)  # and its remote work, another task's, is left alone
+        # The configured name is stored; the API and the streams show the server's title in its place.
         ctx.emit("remote_started", tool=spec["tool"], server=spec["server"])
-        return self._follow({**state, "remote": remote["task_id"], "awaiting": None}, ctx, remote)
+        facts = RemoteFacts(handle=handle, server=spec["server"])
+        state = {**state, "remote": handle, "awaiting": None, "before": None}
+        return self._follow(state, ctx, remote, done_at=_finished_at(ctx), facts=facts)
 
     def _after_poll(self, state: dict[str, Any], ctx: StepContext, outcome: OpOutcome | None) -> Outcome:
         if outcome is None or not outcome.finished:
             return self._poll(state, ctx, at=None)
+        done_at = _finished_at(ctx)
         if not outcome.ok:
-            # A poll only reads: whatever failed (network, a 401 after a token rotation, a malformed
-            # answer), back off and try again; the owner sees "tracking degraded" and may cancel.
+            # A poll only reads: whatever failed (network, a 401 after a token rotation), back off and try
+            # again; the owner sees "tracking degraded" and may cancel.
             state, events, delay, degraded = _backed_off(state, outcome)
-            return self._poll(state, ctx, at=clock.now() + delay, events=events, degraded=degraded)
+            error = _shown(outcome.error_message, ctx) or "the poll failed"
+            return self._poll(state, ctx, at=_due(ctx, done_at + delay), events=events, degraded=degraded,
+                              facts=RemoteFacts(poll_error=error))
+        if "protocol_error" in outcome.result:
+            raise PermanentError(_shown(outcome.result["protocol_error"], ctx))
         if "gone" in outcome.result:
             raise PermanentError(GONE, detail=outcome.result["gone"])
-        return self._follow(state, ctx, outcome.result["task"])
+        return self._follow(state, ctx, outcome.result["task"], done_at=done_at)
 
-    def _follow(self, state: dict[str, Any], ctx: StepContext, remote: dict[str, Any]) -> Outcome:
+    def _follow(self, state: dict[str, Any], ctx: StepContext, remote: dict[str, Any], *, done_at: datetime,
+                facts: RemoteFacts | None = None) -> Outcome:
         events: list[NewEvent] = []
         if state["degraded"]:
             events.append(NewEvent("tracking_restored", {}))
+        if state["errors"]:
+            facts = RemoteFacts(**{**_facts(facts), "poll_error": ""})
         state = {**state, "errors": 0, "degraded": False, "poll_ms": remote["poll_interval_ms"]}
-        message = remote["status_message"][:500]
+        message = _shown(remote["status_message"], ctx)[:calls.STATUS_MESSAGE_CHARS]
         if message and message != state["message"]:
             events.append(NewEvent("progress", {"message": message}))
             state = {**state, "message": message}
         status = remote["status"]
         if status == "completed" and remote["result"] is None:
             # A tools/call handle carries no result, even for a task that is already done.
-            return self._poll(state, ctx, at=None, events=events, degraded=False)
+            return self._poll(state, ctx, at=None, events=events, degraded=False, facts=facts)
         if status == "completed":
-            return self._finish(state, remote["result"], events)
+            return self._finish(state, ctx, remote["result"], events, facts=facts)
         if status == "failed":
-            raise PermanentError(f"the remote task failed: {remote['error'] or 'no reason given'}")
+            reason = _shown(remote["error"] or "", ctx) or "no reason given"
+            raise PermanentError(f"the remote task failed: {reason}"[:calls.ERROR_CHARS])
         if status == "cancelled":
             raise RemoteCancelled("the remote server cancelled the task")
-        if status == "input_required" and remote["input_requests"]:
-            asked = remote["input_requests"]
-            question = "\n".join(r["message"] for r in asked if r["message"]) or "The remote tool needs your input."
-            return Ask({**state, "asked": asked, "awaiting": None}, question, events)
-        return self._poll(state, ctx, at=clock.now() + _poll_interval(remote["poll_interval_ms"]), events=events,
-                          degraded=False)
+        if status == "input_required":
+            # The acknowledgement of an answer is eventually consistent: a key once answered is never asked again.
+            open_ = [r for r in remote["input_requests"] if r["key"] not in state["answered"]]
+            if open_:
+                return self._ask({**state, "awaiting": None}, ctx, open_[0], events, facts=facts)
+        interval = _poll_interval(remote["poll_interval_ms"])
+        return self._poll(state, ctx, at=_due(ctx, done_at + interval), events=events, degraded=False, facts=facts)
 
     def _poll(self, state: dict[str, Any], ctx: StepContext, *, at: datetime | None,
-              events: list[NewEvent] | None = None, degraded: bool | None = None) -> Continue:
+              events: list[NewEvent] | None = None, degraded: bool | None = None,
+              facts: RemoteFacts | None = None) -> Continue:
         """Request the next tasks/get, due `at` (None: now); the task waits on it meanwhile."""
         request = calls.get(ctx.input["server"], state["remote"], at=at)
-        return Continue({**state, "awaiting": "poll"}, events or [], [request], tracking_degraded=degraded)
+        return Continue({**state, "awaiting": "poll"}, events or [], [request], tracking_degraded=degraded,
+                        remote=facts)
+
+    # --- questions --------------------------------------------------------------------
+
+    def _ask(self, state: dict[str, Any], ctx: StepContext, request: dict[str, Any], events: list[NewEvent], *,
+             facts: RemoteFacts | None = None, note: str = "") -> Ask:
+        """Ask the owner one input request; while a remote task waits for the answer, watch it slowly."""
+        if request.get("method") != "elicitation/create":
+            raise PermanentError("the remote tool asked for input Longhaul cannot give "
+                                 f"({str(request.get('method'))[:100]})")
+        schema = request.get("schema") or None
+        try:
+            forms.fields(schema)
+        except forms.Unsupported as exc:
+            raise PermanentError(f"the remote tool asked a question Longhaul cannot show as a form: {exc}") from None
+        asking = {"key": request["key"], "method": request["method"], "message": request.get("message") or "",
+                  "schema": schema}
+        question = _shown(asking["message"], ctx) or DEFAULT_QUESTION
+        if note:
+            question = f"{question}\n\n{note}"
+        watch = None
+        if state["remote"] is not None:
+            # Slowly (a minute at least): enough to see the remote task resolve, expire or be cancelled meanwhile.
+            watch = calls.get(ctx.input["server"], state["remote"],
+                              at=clock.now() + max(WATCH_EVERY, _poll_interval(state["poll_ms"])))
+        state = {**state, "asking": asking, "awaiting": "watch" if watch is not None else None}
+        # A question without fields is answered in free text (accepted as it is).
+        form = forms.keeping_order(schema) if forms.fields(schema) else None
+        return Ask(state, question, events, remote=facts, form=form, watch=watch)
+
+    def _ask_next(self, state: dict[str, Any], ctx: StepContext, events: list[NewEvent]) -> Outcome:
+        """Before the remote task exists: ask the next unanswered question, or call again with the answers."""
+        before = state["before"]
+        waiting = [r for r in before["requests"] if r["key"] not in before["responses"]]
+        if waiting:
+            return self._ask(state, ctx, waiting[0], events)
+        spec = ctx.input
+        request = calls.call_tool(spec["server"], spec["tool"], spec["arguments"],
+                                  input_responses=before["responses"], request_state=before["request_state"])
+        return Continue({**state, "asking": None, "awaiting": "call"}, [*events, NewEvent("answer_sent", {})],
+                        [request])
+
+    def _after_question(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
+        """The step after a question: its answer, or (withdrawn) what the watching poll saw."""
+        if ctx.answer or ctx.answer_data is not None:
+            return self._send_answer(state, ctx)
+        outcome = _awaited(ctx) if state["awaiting"] == "watch" else None
+        if outcome is not None and outcome.finished:
+            # Withdrawn: the remote task moved on without the answer.
+            return self._after_poll({**state, "asking": None, "awaiting": "poll"}, ctx, outcome)
+        return self._ask(state, ctx, state["asking"], [])  # no answer (a step run again): ask again
 
     def _send_answer(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
-        if not ctx.answer:
-            return Ask(state, "\n".join(r["message"] for r in state["asked"]) or "The remote tool needs your input.")
-        requests = [client.InputRequest(key=r["key"], method=r["method"], message=r["message"], schema=r["schema"],
-                                        raw=r["raw"]) for r in state["asked"]]
+        asking = state["asking"]
+        answer = ctx.answer_data if ctx.answer_data is not None else ctx.answer
         try:
-            responses = {r.key: client.answer_for(r, ctx.answer) for r in requests}
-        except client.McpError as exc:
-            raise PermanentError("the remote tool asked for input Longhaul cannot give as text",
-                                 detail=str(exc)) from None
-        update = calls.update(ctx.input["server"], state["remote"], responses)
-        return Continue({**state, "awaiting": "update"}, [], [update])
+            if not forms.fields(asking["schema"]) and isinstance(answer, str):
+                response: dict[str, Any] = {"action": "accept", "content": {}}  # nothing to fill: an acknowledgement
+            else:
+                response = forms.response(asking["schema"], answer)
+        except forms.InvalidAnswer as exc:
+            return self._ask(state, ctx, asking, [], note=f"That answer does not fit: {exc}")
+        except forms.FormError as exc:
+            raise PermanentError(f"the remote tool asked a question Longhaul cannot show as a form: {exc}") from None
+        key = asking["key"]
+        if state["remote"] is None:
+            before = {**state["before"], "responses": {**state["before"]["responses"], key: response}}
+            return self._ask_next({**state, "asking": None, "before": before}, ctx, [])
+        update = calls.update(ctx.input["server"], state["remote"], {key: response})
+        state = {**state, "asking": None, "answered": [*state["answered"], key], "awaiting": "update"}
+        return Continue(state, [], [update])
 
     def _after_update(self, state: dict[str, Any], ctx: StepContext, outcome: OpOutcome | None) -> Outcome:
-        if outcome is None or not outcome.finished:
-            return self._send_answer(state, ctx)  # safe to send again: a server ignores closed questions
+        if outcome is None:
+            return self._poll(state, ctx, at=None)
+        if not outcome.finished:
+            # Sent again as it was: a server ignores responses to questions no longer open.
+            return Continue(state, [], [calls.update(ctx.input["server"], state["remote"], outcome.args["responses"])])
         if not outcome.ok:
+            message = _shown(outcome.error_message, ctx)
             if outcome.error_class == ErrorClass.TRANSIENT:
-                raise GaveUp(f"gave up: {outcome.error_message}")
-            raise PermanentError(outcome.error_message)
-        state = {**state, "asked": []}
-        return self._poll(state, ctx, at=clock.now() + _poll_interval(state.get("poll_ms")),
-                          events=[NewEvent("answer_sent", {})])
+                raise GaveUp(f"gave up: {message}")
+            raise PermanentError(message)
+        at = _due(ctx, _finished_at(ctx) + _poll_interval(state["poll_ms"]))
+        return self._poll(state, ctx, at=at, events=[NewEvent("answer_sent", {})])
 
-    def _finish(self, state: dict[str, Any], result: dict[str, Any], events: list[NewEvent] | None = None) -> Finish:
+    def question_stands(self, state: dict[str, Any], result: Any) -> bool:
+        """Whether a watching poll's result still shows the asked question open (a failed poll says nothing)."""
+        asking = (state or {}).get("asking")
+        if asking is None:
+            return False
+        if not isinstance(result, dict):
+            return True
+        remote = result.get("task")
+        if not isinstance(remote, dict):
+            return False  # gone, or a malformed answer
+        return remote.get("status") == "input_required" and any(
+            r.get("key") == asking["key"] for r in remote.get("input_requests") or [])
+
+    def _finish(self, state: dict[str, Any], ctx: StepContext, result: dict[str, Any],
+                events: list[NewEvent] | None = None, *, facts: RemoteFacts | None = None) -> Finish:
         if result["is_error"]:
-            raise RemoteFailed(f"the tool reported an error: {result['summary'][:300] or 'no message'}",
-                               result=result)
-        return Finish({**state, "awaiting": None}, result, events or [])
+            summary = _shown(result["summary"], ctx)[:300]
+            raise RemoteFailed(f"the tool reported an error: {summary or 'no message'}", result=result)
+        return Finish({**state, "awaiting": None}, result, events or [], remote=facts)
 
     def partial_result(self, state: dict[str, Any]) -> PartialResult | None:
         return None  # a remote tool's work is all or nothing
@@ -222,63 +348,114 @@ class McpDriver:
 
     def cancel_step(self, state: dict[str, Any], ctx: StepContext) -> Continue | None:
         """One round of remote cancellation: read the last round's call, request the next (tasks/cancel
-        once, then polls). No requests once the remote stopped or is gone, or the time to confirm ran out
-        (measured from the first round, after at least one attempt); None when there is no remote task."""
+        until one is answered, then polls). No requests once the remote stopped or is gone, or the time to
+        confirm ran out (measured from the first round, after at least one attempt); None when there is no
+        remote task."""
         remote_id = _remote_id(ctx.task.pk, state)
         if remote_id is None:
             return None
         now = clock.now()
         state = {**self.initial_state(ctx.input), **state, "remote": remote_id}
         awaiting = state.get("awaiting")
+        attempts = state.get("cancel_attempts", 0)
         # A step's call still out when the cancel came (a poll, say) is never read: only the rounds' own are.
         outcome = _awaited(ctx) if awaiting in ("cancel", "cancel_poll") else None
         at: datetime | None = None
         events: list[NewEvent] = []
         degraded: bool | None = None
+        facts: dict[str, Any] = {}
+        if outcome is None and _last_remote_status(ctx.task.pk) in STOPPED:
+            return Continue(state, events)  # the last poll saw it stop: nothing to cancel
         if outcome is not None and outcome.finished:
+            done_at = _finished_at(ctx)
             if not outcome.ok:
                 state, events, delay, degraded = _backed_off(state, outcome)
-                at = now + delay
+                at = done_at + delay
+                if awaiting == "cancel":
+                    facts["cancel_error"] = _shown(outcome.error_message, ctx) or "the cancel failed"
             elif awaiting == "cancel":
                 state["cancel_sent"] = True  # or the server did not know the task: the poll tells which
-                events.append(NewEvent("remote_cancel_sent", {}))
-            elif "gone" in outcome.result or outcome.result["task"]["status"] in ("cancelled", "completed", "failed"):
-                return Continue(state, events)  # stopped, one way or another
+                events.append(NewEvent("remote_cancel_sent", {"attempts": attempts}))
+                facts["cancel_error"] = ""
+            elif "gone" in outcome.result or "protocol_error" in outcome.result \
+                    or outcome.result["task"]["status"] in STOPPED:
+                return Continue(state, events, remote=_remote_facts(facts))  # stopped, one way or another
             else:
                 state["errors"] = 0
-                at = now + _poll_interval(outcome.result["task"]["poll_interval_ms"])
+                at = done_at + _poll_interval(outcome.result["task"]["poll_interval_ms"])
         started = state.setdefault("cancel_started", now.isoformat())
         out_of_time = now - datetime.fromisoformat(started) > timedelta(
             seconds=settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS)
         if out_of_time and state.get("cancel_tries", 0) > 0:
+            tried = f"{attempts} attempt" + ("" if attempts == 1 else "s")
             events.append(NewEvent("remote_cancel_unconfirmed", {
-                "message": "the remote server did not confirm the cancel; it may still be running"}))
-            return Continue(state, events)
+                "attempts": attempts,
+                "message": f"the remote server did not confirm the cancel after {tried}; it may still be running"}))
+            return Continue(state, events, remote=_remote_facts(facts))
         try:
             _server_config(ctx.task)
         except PermanentError:
-            events.append(NewEvent("remote_cancel_unconfirmed", {"message": "the MCP server is no longer configured"}))
-            return Continue(state, events)
+            events.append(NewEvent("remote_cancel_unconfirmed", {"attempts": attempts,
+                                                                 "message": "the MCP server is no longer configured"}))
+            return Continue(state, events, remote=_remote_facts(facts))
         state["cancel_tries"] = state.get("cancel_tries", 0) + 1
         server = ctx.input["server"]
         if not state.get("cancel_sent"):
             request, awaiting = calls.cancel(server, remote_id, at=at), "cancel"
+            state["cancel_attempts"] = attempts + 1
+            facts["cancel_attempts"] = attempts + 1
         else:
             request, awaiting = calls.get(server, remote_id, at=at), "cancel_poll"
-        return Continue({**state, "awaiting": awaiting}, events, [request], tracking_degraded=degraded)
+        return Continue({**state, "awaiting": awaiting}, events, [request], tracking_degraded=degraded,
+                        remote=_remote_facts(facts))
 
     def abandon(self, task: Task, state: dict[str, Any] | None) -> list[OpRequest]:
         remote_id = _remote_id(task.pk, state)
         if remote_id is None or (state or {}).get("cancel_sent"):
             return []
+        if _last_remote_status(task.pk) in STOPPED:
+            return []  # it stopped on its own: nothing to stop
+        if task.remote_handle != remote_id and _tracked_elsewhere(task, remote_id):
+            return []  # another of the owner's tasks follows this remote task: its work is not ours to stop
         return [calls.cancel(task.input["server"], remote_id, abandon=True)]
+
+
+def _upgraded(state: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint written before questions were asked one at a time ("asked": every open request)."""
+    asked = state.pop("asked", None)
+    if asked and state["asking"] is None:
+        first = asked[0]
+        state["asking"] = {"key": first["key"], "method": first["method"], "message": first["message"],
+                           "schema": first["schema"]}
+    return state
 
 
 def _server_config(task: Task) -> client.ServerConfig:
     server = config.servers().get(task.input["server"])
     if server is None or not server.allows(task.tenant.slug):
-        raise PermanentError(f"the MCP server {task.input['server']!r} is no longer configured for this workspace")
+        raise PermanentError("the MCP server is no longer configured for this workspace")
     return server.config
+
+
+def _shown(text: str, ctx: StepContext) -> str:
+    """A text for the owner's eyes: without the remote task id or the server's internals, bounded."""
+    handles = {ctx.task.remote_handle}
+    outcome = _awaited(ctx)
+    if outcome is not None:
+        handles.add(outcome.args.get("remote"))
+        if isinstance(outcome.result, dict) and isinstance(outcome.result.get("task"), dict):
+            handles.add(str(outcome.result["task"].get("task_id") or ""))
+    text = calls.redact(text, server=ctx.input["server"])
+    for handle in handles:
+        if handle:
+            text = calls.redact(text, handle=handle)
+    return text
+
+
+def _tracked_elsewhere(task: Task, handle: str) -> bool:
+    """Whether another of the owner's tasks follows this remote task on the same server."""
+    return (Task.objects.filter(owner_id=task.owner_id, remote_server=task.input["server"], remote_handle=handle)
+            .exclude(pk=task.pk).exists())
 
 
 def _awaited(ctx: StepContext) -> OpOutcome | None:
@@ -287,11 +464,53 @@ def _awaited(ctx: StepContext) -> OpOutcome | None:
     return outcomes[-1] if outcomes else None
 
 
+def _finished_at(ctx: StepContext) -> datetime:
+    """When the call the last step requested finished: the schedule counts from then, not from this step."""
+    step = ctx.step - 1
+    finished = (Operation.objects.filter(task_id=ctx.task.pk, step=step, mode=Operation.Mode.GATEWAY,
+                                         finished_at__isnull=False)
+                .exclude(key__startswith=f"{ctx.task.pk}:{step}:a")
+                .order_by("-n").values_list("finished_at", flat=True).first())
+    return finished or clock.now()
+
+
+def _due(ctx: StepContext, at: datetime) -> datetime:
+    """`at`, or the task's wall-time deadline if that comes first (the budget ends it then)."""
+    started = ctx.task.started_at
+    if started is None:
+        return at
+    return min(at, started + timedelta(seconds=Budget.of(ctx.task.budget).max_wall_seconds))
+
+
+def _last_remote_status(task_id: int) -> str | None:
+    """What the last answered call said of the remote task (a poll's, or the handle's): its status or "gone"."""
+    last = (Operation.objects.filter(task_id=task_id, kind=calls.KIND, name__in=(calls.GET, calls.CALL_TOOL),
+                                     status=OperationStatus.SUCCEEDED)
+            .order_by("-finished_at", "-id").values_list("result", flat=True).first())
+    if not isinstance(last, dict):
+        return None
+    if "gone" in last:
+        return "gone"
+    remote = last.get("task")
+    return remote.get("status") if isinstance(remote, dict) else None
+
+
+def _facts(facts: RemoteFacts | None) -> dict[str, Any]:
+    if facts is None:
+        return {}
+    return {name: getattr(facts, name) for name in ("handle", "server", "poll_error", "cancel_attempts",
+                                                    "cancel_error")}
+
+
+def _remote_facts(values: dict[str, Any]) -> RemoteFacts | None:
+    return RemoteFacts(**values) if values else None
+
+
 def _backed_off(state: dict[str, Any], outcome: OpOutcome) -> tuple[dict[str, Any], list[NewEvent], timedelta, bool]:
-    """After a failed poll: the state, events, the delay before the next one, and whether tracking is degraded."""
+    """After a failed call: the state, events, the delay before the next one, and whether tracking is degraded."""
     errors = state.get("errors", 0) + 1
     base = _poll_interval(state.get("poll_ms")).total_seconds()
-    delay = min(base * 2 ** min(errors, 16), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS)
+    delay = min(base * 2 ** min(errors - 1, 16), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS)
     degraded = errors >= DEGRADED_AFTER
     events = []
     if degraded and not state.get("degraded"):
@@ -302,9 +521,11 @@ def _backed_off(state: dict[str, Any], outcome: OpOutcome) -> tuple[dict[str, An
 
 
 def _poll_interval(server_ms: int | None) -> timedelta:
-    """The server's poll interval within our floor and ceiling."""
-    floor, ceiling = settings.LONGHAUL_MCP_POLL_FLOOR_MS, settings.LONGHAUL_MCP_POLL_CEILING_MS
-    return timedelta(milliseconds=min(max(server_ms or floor, floor), ceiling))
+    """The server's poll interval within our floor and 24 hours (unknown: the floor)."""
+    floor = timedelta(milliseconds=settings.LONGHAUL_MCP_POLL_FLOOR_MS)
+    if server_ms is None:
+        return floor
+    return min(max(timedelta(milliseconds=server_ms), floor), POLL_CEILING)
 
 
 def _remote_id(task_id: int, state: dict[str, Any] | None) -> str | None:
@@ -314,7 +535,7 @@ def _remote_id(task_id: int, state: dict[str, Any] | None) -> str | None:
         return str(state["remote"])
     submitted = (Operation.objects.filter(task_id=task_id, name__in=(calls.CALL_TOOL, LEGACY_SUBMIT),
                                           status=OperationStatus.SUCCEEDED)
-                 .values_list("result", flat=True).first())
+                 .order_by("-id").values_list("result", flat=True).first())
     if isinstance(submitted, dict) and "task" in submitted:
         return str(submitted["task"]["task_id"])
     return None

@@ -3,11 +3,13 @@
 The setting names a TOML or JSON file (by its extension):
 
     [servers.reports]
+    title = "Quarterly reports"  # optional: what users see (default: the name)
     transport = "http"
     url = "https://reports.example.com/mcp"
     headers_from_env = { Authorization = "REPORTS_AUTHORIZATION" }
     timeout_s = 30
     tenants = ["acme"]          # optional: only these tenants may use it
+    redact = ["reports-worker-7"]  # optional: the server's own internal names, kept out of what users see
 
     [servers.render]
     transport = "stdio"
@@ -35,7 +37,8 @@ from django.core.exceptions import ImproperlyConfigured
 from tasks.mcp.client import ServerConfig
 
 KNOWN_FIELDS = {"transport", "url", "command", "cwd", "headers_from_env", "env_from_env", "timeout_s", "tenants",
-                "description"}
+                "description", "title", "redact"}
+TITLE_CHARS = 100
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,14 @@ class Server:
     config: ServerConfig
     tenants: frozenset[str]  # slugs; empty: every tenant
     description: str
+    # The display name users see; never the URL or command (defaults to the name).
+    title: str = ""
+    # Words the server says about itself (node names, internal hosts) that users must not see.
+    redact: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.title:
+            object.__setattr__(self, "title", self.config.name)
 
     @property
     def name(self) -> str:
@@ -128,6 +139,12 @@ def _server(name: str, entry: Any) -> Server:
     description = entry.get("description", "")
     if not isinstance(description, str):
         raise bad("description must be text")
+    title = entry.get("title", name)
+    if not isinstance(title, str) or not title.strip() or len(title) > TITLE_CHARS:
+        raise bad(f"title must be text of 1 to {TITLE_CHARS} characters")
+    redact = entry.get("redact", [])
+    if not isinstance(redact, list) or not all(isinstance(w, str) and len(w.strip()) >= 2 for w in redact):
+        raise bad("redact must be a list of words of at least 2 characters")
     if transport == "http":
         url = entry.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -145,7 +162,8 @@ def _server(name: str, entry: Any) -> Server:
                               env=_from_env(entry.get("env_from_env", {}), "env_from_env", bad))
     else:
         raise bad("transport must be \"http\" or \"stdio\"")
-    return Server(config=config, tenants=frozenset(tenants), description=description)
+    return Server(config=config, tenants=frozenset(tenants), description=description, title=title.strip(),
+                  redact=tuple(w.strip() for w in redact))
 
 
 def _from_env(mapping: Any, field: str, bad: Any) -> Mapping[str, str]:

@@ -56,3 +56,46 @@ def test_a_remote_tool_is_started_in_chat_answered_in_the_panel_cancelled_and_to
     # The thread was told of each event once: the question, the result, the cancel.
     told = Task.objects.get(name="approval_job on tools")
     assert told.result["summary"] == "report in pdf"
+
+
+def test_a_remote_tools_form_is_filled_in_the_panel_and_declined_in_the_thread(
+        page: Page, server: str, mcp_server: Path, screenshots: Path, cheap_passwords):
+    alice = make_user("alice", Tenant.objects.create(slug="acme", name="Acme"))
+    sign_in_with_cookie(page, server, alice)
+    page.goto(f"{server}/")
+
+    send(page, 'run ask_many on tools with {"seconds": 0.3, "poll_ms": 200}')
+    expect(assistant_messages(page, "Started “ask_many on tools”")).to_have_count(1, timeout=15_000)
+    # The thread tells of the question with its form under it.
+    in_thread = page.locator("#messages .message-question form")
+    expect(in_thread).to_have_count(1, timeout=20_000)
+    expect(in_thread.get_by_label("Copies")).to_be_visible()
+
+    open_panel(page)
+    row = task_row(page, "ask_many on tools")
+    expect(row.locator(".status-word")).to_have_text("Needs your answer", timeout=20_000)
+    row.get_by_role("button", name="ask_many on tools", exact=True).click()
+    form = row.locator("form.answer-form")
+    form.get_by_label("Title").fill("Q3 summary")
+    form.get_by_label("Copies").fill("3")
+    form.get_by_label("Urgent").check()
+    form.get_by_label("Format").select_option("html")
+    page.screenshot(path=screenshots / "remote-tool-form.png")
+    form.get_by_role("button", name="Send answer").click()
+
+    expect(row.locator(".status-word")).to_have_text("Done", timeout=20_000)
+    accepted = 'accepted {"copies": 3, "format": "html", "title": "Q3 summary", "urgent": true}'
+    expect(row.locator(".result-summary")).to_contain_text(accepted, timeout=10_000)
+    # Answered in the panel: the thread's form is gone.
+    expect(in_thread).to_have_count(0)
+    task = Task.objects.get(name="ask_many on tools")
+    assert task.answer_data == {"action": "accept",
+                                "content": {"title": "Q3 summary", "copies": 3, "urgent": True, "format": "html"}}
+
+    send(page, 'run ask_many on tools with {"seconds": 0.3, "poll_ms": 200}')
+    expect(in_thread).to_have_count(1, timeout=30_000)
+    in_thread.get_by_role("button", name="Decline").click()
+    expect(page.locator("#messages .message-question").last).to_have_text("You declined the question.")
+    expect(assistant_messages(page, "is done")).to_have_count(2, timeout=20_000)
+    wait_until(lambda: Task.objects.filter(name="ask_many on tools", result__summary="declined").exists(),
+               timeout=10, message="the declined task's result")

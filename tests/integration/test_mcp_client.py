@@ -1,11 +1,15 @@
 """The MCP Tasks client against a real fake server: real processes over stdio pipes and loopback HTTP.
 
-Every stdio call starts a fresh server process (about a second), so stdio runs get longer task
-durations than http ones: a task must still be working when the next process answers.
+Calls share one session per server and process (for stdio, one server process), opened on first
+use; `McpTaskServer` closes this process's sessions when it exits, so every test starts afresh.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -14,26 +18,32 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.exceptions import ImproperlyConfigured
 
+from tasks.mcp import config, forms, sessions
 from tasks.mcp.client import (
     Completed,
     Created,
-    InputRequest,
+    InputNeeded,
+    MalformedAnswer,
+    NotSent,
     RemoteProtocolError,
     RemoteTask,
     RemoteTaskNotFound,
     RemoteUnavailable,
     ServerConfig,
     ToolNotFound,
-    answer_for,
     call_tool,
+    call_tool_async,
     cancel_task,
     get_task,
+    get_task_async,
     list_tools,
     update_task,
 )
 from tests.fakes import LoopbackServer, QuietHandler
-from tests.fakes.mcp_task_server import McpTaskServer, calls
+from tests.fakes.mcp_task_server import DETAILS_SCHEMA, SERVER_INTERNAL, McpTaskServer, calls
+from tests.fakes.mcp_task_server import started as processes_started
 
 TERMINAL = {"completed", "failed", "cancelled"}
 
@@ -42,7 +52,7 @@ TERMINAL = {"completed", "failed", "cancelled"}
 class Remote:
     config: ServerConfig
     state_dir: Path
-    # How long a task must run to be seen working by the next call on this transport.
+    # How long a task must run to be seen working by the next call.
     slow: float
     calls_before: dict[str, int]
 
@@ -82,10 +92,17 @@ def remote(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Remote]:
     if request.param == "http":
         config, state_dir = request.getfixturevalue("http_server")
         yield Remote(config=config, state_dir=state_dir, slow=1.0, calls_before=calls(state_dir))
+        sessions.close_all()
         return
-    # Every stdio call starts its own server process, which reads and writes the tasks in tmp_path.
+    # The first call starts the server process, which reads and writes the tasks in tmp_path.
     with McpTaskServer("stdio", state_dir=tmp_path) as config:
-        yield Remote(config=config, state_dir=tmp_path, slow=3.0, calls_before={})
+        yield Remote(config=config, state_dir=tmp_path, slow=1.0, calls_before={})
+
+
+@pytest.fixture
+def stdio_remote(tmp_path: Path) -> Iterator[Remote]:
+    with McpTaskServer("stdio", state_dir=tmp_path) as config:
+        yield Remote(config=config, state_dir=tmp_path, slow=1.0, calls_before={})
 
 
 def test_it_returns_a_plain_result_without_a_task(remote: Remote) -> None:
@@ -149,7 +166,7 @@ def test_it_forwards_an_answer_when_the_task_needs_input(remote: Remote) -> None
     assert (question.method, question.message) == ("elicitation/create", "Which format should the report use?")
     assert question.schema is not None and question.schema["required"] == ["format"]
 
-    update_task(remote.config, task.task_id, {question.key: answer_for(question, "pdf")})
+    update_task(remote.config, task.task_id, {question.key: forms.response(question.schema, "pdf")})
     final = remote.poll(task.task_id, until=TERMINAL)[-1]
 
     assert final.status == "completed"
@@ -238,7 +255,7 @@ def test_it_raises_unavailable_when_nothing_listens_on_the_port() -> None:
 
 
 class _StatusHandler(QuietHandler):
-    def do_POST(self) -> None:  # noqa: N802 - the name http.server dispatches to
+    def do_POST(self) -> None:
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.send_response(self.owner.status)
         self.send_header("Content-Length", "0")
@@ -284,25 +301,261 @@ def test_it_raises_unavailable_when_the_server_does_not_answer_in_time() -> None
     assert time.monotonic() - started < 5
 
 
-def question(schema: dict[str, Any] | None, *, method: str = "elicitation/create") -> InputRequest:
-    return InputRequest(key="q", method=method, message="?", schema=schema, raw={})
+
+# --- questions ---------------------------------------------------------------------------------
 
 
-def test_it_answers_the_single_string_property_of_an_elicitation() -> None:
-    schema = {"type": "object", "properties": {"format": {"type": "string"}}}
+def test_it_declares_elicitation_so_a_strict_server_lets_a_tool_ask(remote: Remote) -> None:
+    # The fake refuses (-32021) a tool that will ask unless the request declares elicitation.
+    for tool in ("approval_job", "ask_many"):
+        assert remote.submit(tool, {}).status == "working"
 
-    assert answer_for(question(schema), "pdf") == {"action": "accept", "content": {"format": "pdf"}}
-
-
-def test_it_answers_the_first_required_string_property_when_there_are_several() -> None:
-    schema = {"type": "object", "required": ["count", "title"],
-              "properties": {"note": {"type": "string"}, "count": {"type": "integer"}, "title": {"type": "string"}}}
-
-    assert answer_for(question(schema), "Q3") == {"action": "accept", "content": {"title": "Q3"}}
+    assert remote.calls() == {"tools/call:approval_job": 1, "tools/call:ask_many": 1}
 
 
-def test_it_refuses_to_answer_a_question_without_a_string_to_fill() -> None:
-    with pytest.raises(RemoteProtocolError):
-        answer_for(question({"type": "object", "properties": {"n": {"type": "integer"}}}), "3")
-    with pytest.raises(RemoteProtocolError):
-        answer_for(question(None, method="sampling/createMessage"), "3")
+def test_it_answers_a_form_with_several_typed_fields(remote: Remote) -> None:
+    task = remote.submit("ask_many", {"seconds": 0.2})
+    waiting = remote.poll(task.task_id, until={"input_required", *TERMINAL})[-1]
+    (question,) = waiting.input_requests
+    assert (question.key, question.schema) == ("details", DETAILS_SCHEMA)
+    answer = {"action": "accept", "content": {"title": "Q3", "copies": "2", "urgent": "true", "format": "pdf"}}
+
+    update_task(remote.config, task.task_id, {question.key: forms.response(question.schema, answer)})
+    final = remote.poll(task.task_id, until=TERMINAL)[-1]
+
+    assert final.status == "completed"
+    assert final.result is not None
+    assert final.result.text == "accepted " + json.dumps({"copies": 2, "format": "pdf", "title": "Q3", "urgent": True},
+                                                         sort_keys=True)
+
+
+def test_the_first_poll_after_an_answer_may_still_show_the_question(remote: Remote) -> None:
+    task = remote.submit("ask_many", {"seconds": 30})
+    (question,) = remote.poll(task.task_id, until={"input_required", *TERMINAL})[-1].input_requests
+    response = forms.response(question.schema, {"action": "decline"})
+
+    update_task(remote.config, task.task_id, {question.key: response})
+    stale, fresh = get_task(remote.config, task.task_id), get_task(remote.config, task.task_id)
+    update_task(remote.config, task.task_id, {question.key: response})  # what a client that does not dedupe does
+
+    assert [q.key for q in stale.input_requests] == ["details"]
+    assert (fresh.status, fresh.input_requests) == ("working", ())
+    assert remote.calls()["tasks/update"] == 2
+    assert remote.calls()["tasks/update:duplicate"] == 1
+
+
+@pytest.mark.parametrize(("action", "status", "text"), [("decline", "completed", "declined"),
+                                                        ("cancel", "cancelled", None)])
+def test_decline_and_cancel_are_answers_too(remote: Remote, action: str, status: str, text: str | None) -> None:
+    task = remote.submit("ask_many", {"seconds": 0.2})
+    (question,) = remote.poll(task.task_id, until={"input_required", *TERMINAL})[-1].input_requests
+
+    update_task(remote.config, task.task_id, {question.key: forms.response(question.schema, {"action": action})})
+    final = remote.poll(task.task_id, until=TERMINAL)[-1]
+
+    assert final.status == status
+    assert (final.result.text if final.result else None) == text
+
+
+def test_it_returns_the_questions_a_tool_asks_before_it_starts(remote: Remote) -> None:
+    asked = call_tool(remote.config, "ask_first", {})
+    assert isinstance(asked, InputNeeded)
+    (question,) = asked.requests
+    assert (question.key, question.method) == ("confirm", "elicitation/create")
+    assert forms.fields(question.schema)[0].type == "boolean"
+    assert asked.request_state
+
+    answer = forms.response(question.schema, {"action": "accept", "content": {"confirm": True}})
+    created = call_tool(remote.config, "ask_first", {}, input_responses={question.key: answer},
+                        request_state=asked.request_state)
+
+    assert isinstance(created, Created)
+    final = remote.poll(created.task.task_id, until=TERMINAL)[-1]
+    assert final.status == "completed" and final.result is not None and final.result.text == "confirmed"
+    assert remote.calls() == {"tools/call:ask_first": 2, "tasks/get": remote.calls()["tasks/get"]}
+
+
+def test_a_tool_that_asked_first_answers_a_declined_question_with_a_tool_error(remote: Remote) -> None:
+    asked = call_tool(remote.config, "ask_first", {})
+    assert isinstance(asked, InputNeeded)
+
+    answer = call_tool(remote.config, "ask_first", {}, input_responses={"confirm": {"action": "decline"}},
+                       request_state=asked.request_state)
+
+    assert isinstance(answer, Completed) and answer.result.is_error is True
+    assert "not confirmed" in answer.result.text
+
+
+def test_a_question_can_be_huge(remote: Remote) -> None:
+    task = remote.submit("big_question", {"size": 70_000})
+
+    (question,) = remote.poll(task.task_id, until={"input_required", *TERMINAL})[-1].input_requests
+
+    assert len(question.message) == 70_000
+
+
+# --- malformed answers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["unknown_status", "nan", "huge", "wrong_type", "invalid_json"])
+def test_it_raises_malformed_answer_for_a_status_that_breaks_the_protocol(remote: Remote, kind: str) -> None:
+    task = remote.submit("malformed_job", {"kind": kind, "after_s": 0.05})
+    time.sleep(0.1)  # the fake answers malformed once after_s has passed on its clock
+
+    with pytest.raises(MalformedAnswer, match="malformed answer"):
+        get_task(remote.config, task.task_id)
+
+    # The session is still usable (or was replaced): the next request is answered.
+    assert get_task(remote.config, remote.submit("slow_report", {"topic": "x"}).task_id).status == "working"
+
+
+def test_malformed_answers_are_protocol_errors() -> None:
+    assert issubclass(MalformedAnswer, RemoteProtocolError)
+
+
+# --- the fake's other edges, which the driver's tests rely on ------------------------------------
+
+
+def test_it_keeps_a_handle_of_any_length_the_server_chooses(remote: Remote) -> None:
+    long_id = "h" * 300
+
+    first, again = remote.submit("handle_job", {"task_id": long_id}), remote.submit("handle_job", {"task_id": long_id})
+
+    assert first.task_id == again.task_id == long_id
+    assert get_task(remote.config, long_id).task_id == long_id
+
+
+def test_a_chatty_server_names_its_task_and_itself(remote: Remote) -> None:
+    task = remote.submit("chatty_job", {"seconds": 0.3})
+
+    seen = remote.poll(task.task_id, until=TERMINAL)
+
+    assert task.task_id in task.status_message and SERVER_INTERNAL in task.status_message
+    assert seen[-1].status == "failed"
+    assert seen[-1].error == f"{task.task_id} crashed on {SERVER_INTERNAL}"
+
+
+def test_it_keeps_a_poll_interval_of_a_day(remote: Remote) -> None:
+    task = remote.submit("slow_report", {"topic": "tides", "poll_ms": 86_400_000})
+
+    assert task.poll_interval_ms == get_task(remote.config, task.task_id).poll_interval_ms == 86_400_000
+
+
+def test_it_raises_unavailable_while_the_server_fails_cancel_requests(remote: Remote) -> None:
+    task = remote.submit("stubborn_job", {"seconds": 30, "cancel_failures": 2})
+
+    for _ in range(2):
+        with pytest.raises(RemoteUnavailable):
+            cancel_task(remote.config, task.task_id)
+    cancel_task(remote.config, task.task_id)
+
+    assert remote.calls()["tasks/cancel"] == 3
+
+
+def test_a_hanging_status_read_times_out_and_the_next_request_is_answered(remote: Remote) -> None:
+    # Long enough to start a stdio server on a busy machine, shorter than the hang.
+    config = ServerConfig(**{**remote.config.__dict__, "timeout_s": 5.0})
+    hanging = call_tool(config, "slow_report", {"topic": "x", "seconds": 30, "hang_get_s": 8})
+    other = call_tool(config, "slow_report", {"topic": "y", "seconds": 30})
+    assert isinstance(hanging, Created) and isinstance(other, Created)
+
+    with pytest.raises(RemoteUnavailable, match="no answer within 5 s"):
+        get_task(config, hanging.task.task_id)
+
+    # The session that hung is replaced (for stdio, by a new server process).
+    assert get_task(config, other.task.task_id).status == "working"
+
+
+def test_it_reports_a_refused_tool_call_as_not_sent() -> None:
+    server = ServerConfig(name="reports", transport="http", url="http://127.0.0.1:9/mcp", timeout_s=5)
+
+    with pytest.raises(NotSent):
+        call_tool(server, "slow_report", {"topic": "tides"})
+
+
+# --- sessions ------------------------------------------------------------------------------------
+
+
+def test_it_starts_a_stdio_server_once_for_every_call_from_any_thread_or_loop(stdio_remote: Remote) -> None:
+    task = stdio_remote.submit("slow_report", {"topic": "tides", "seconds": 30})
+
+    async def from_a_gateway_job() -> list[RemoteTask]:
+        # A gateway job runs its own event loop and may await several calls at once.
+        return list(await asyncio.gather(*[get_task_async(stdio_remote.config, task.task_id) for _ in range(3)]))
+
+    seen = asyncio.run(from_a_gateway_job()) + asyncio.run(from_a_gateway_job()) + [get_task(stdio_remote.config,
+                                                                                             task.task_id)]
+    created = asyncio.run(call_tool_async(stdio_remote.config, "quick_echo", {"text": "hi"}))
+
+    assert {t.status for t in seen} == {"working"} and isinstance(created, Completed)
+    assert len(processes_started(stdio_remote.state_dir)) == 1
+    assert stdio_remote.calls() == {"tools/call:slow_report": 1, "tasks/get": 7, "tools/call:quick_echo": 1}
+
+
+def test_it_reconnects_once_when_the_stdio_server_died(stdio_remote: Remote) -> None:
+    task = stdio_remote.submit("slow_report", {"topic": "tides", "seconds": 30})
+    (first,) = processes_started(stdio_remote.state_dir)
+
+    os.kill(first, signal.SIGKILL)
+    seen = get_task(stdio_remote.config, task.task_id)
+
+    assert seen.status == "working"
+    assert len(processes_started(stdio_remote.state_dir)) == 2
+
+
+def test_a_new_session_is_opened_after_the_sessions_are_closed(remote: Remote) -> None:
+    task = remote.submit("slow_report", {"topic": "tides", "seconds": 30})
+    assert sessions.open_count() == 1
+
+    sessions.close_all()
+
+    assert sessions.open_count() == 0
+    assert get_task(remote.config, task.task_id).status == "working"
+    assert sessions.open_count() == 1
+
+
+def test_a_forked_worker_opens_its_own_session(stdio_remote: Remote) -> None:
+    task = stdio_remote.submit("slow_report", {"topic": "tides", "seconds": 30})
+    read_end, write_end = os.pipe()
+
+    pid = os.fork()
+    if pid == 0:  # the child: what a django-q2 worker forked from a process that talked MCP does
+        status = 1
+        try:
+            os.write(write_end, get_task(stdio_remote.config, task.task_id).status.encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    child_saw = os.read(read_end, 100).decode()
+    _, child_status = os.waitpid(pid, 0)
+    os.close(read_end)
+
+    assert (child_saw, child_status) == ("working", 0)
+    assert get_task(stdio_remote.config, task.task_id).status == "working"  # the parent's session still works
+    assert len(processes_started(stdio_remote.state_dir)) == 2
+
+
+# --- the servers file's display names (tasks/mcp/config.py) --------------------------------------
+
+
+def test_a_server_has_a_title_for_users_defaulting_to_its_name(tmp_path: Path) -> None:
+    path = tmp_path / "servers.json"
+    path.write_text(json.dumps({"servers": {
+        "reports": {"transport": "http", "url": "http://127.0.0.1:9/mcp", "title": " Quarterly reports "},
+        "render": {"transport": "stdio", "command": [sys.executable, "-m", "render"]},
+    }}))
+
+    servers = config.load(path)
+
+    assert servers["reports"].title == "Quarterly reports"
+    assert servers["render"].title == "render"  # the name, never the command or URL
+
+
+@pytest.mark.parametrize("title", ["", "   ", 7, "x" * 101])
+def test_a_title_must_be_short_text(tmp_path: Path, title: Any) -> None:
+    path = tmp_path / "servers.json"
+    path.write_text(json.dumps({"servers": {"reports": {"transport": "http", "url": "http://h/mcp", "title": title}}}))
+
+    with pytest.raises(ImproperlyConfigured, match="server 'reports': title must be text"):
+        config.load(path)

@@ -124,15 +124,14 @@ def test_a_tool_that_answers_at_once_ends_the_task_with_that_result(http_remote,
     assert http_remote.calls().get("tasks/get", 0) == 0
 
 
-def test_a_large_result_is_kept_up_to_a_limit_with_a_preview_and_a_flag(http_remote, acme, alice, settings):
-    settings.LONGHAUL_MCP_RESULT_MAX_CHARS = 1_000
+def test_a_result_over_64_kib_keeps_a_preview_of_the_configured_length_and_a_flag(http_remote, acme, alice, settings):
     settings.LONGHAUL_MCP_RESULT_PREVIEW_CHARS = 100
-    task = follow(submit(acme, alice, "slow_report", topic="big", seconds=0.2, size=5_000))
+    task = follow(submit(acme, alice, "slow_report", topic="big", seconds=0.2, size=70_000))
     assert task.status == TaskStatus.SUCCEEDED
     result = task.result
-    assert result["truncated"] is True and result["chars"] > 5_000
-    assert len(result["text"]) == 1_000 and len(result["summary"]) == 100
-    assert result["text"].startswith(result["summary"])
+    assert result["result_truncated"] is True and result["truncated"] is True and result["chars"] > 70_000
+    assert result["text"] == result["summary"] and len(result["summary"]) == 100
+    assert result["structured"] is None
 
 
 # --- input required -------------------------------------------------------------------------

@@ -7,6 +7,7 @@ fenced transaction that ends (or cancels) the task.
 
 from __future__ import annotations
 
+import inspect
 import socket
 import subprocess
 import threading
@@ -25,7 +26,7 @@ from django.db import connection
 from django_q.models import OrmQ
 
 from tasks import actions, clock, jobs, leases, operations, runner
-from tasks.mcp import client, config
+from tasks.mcp import client, config, sessions
 from tasks.models import Checkpoint, Operation, SleepEffect, Task, TaskEvent
 from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
 from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, calls, write_servers_file
@@ -55,8 +56,9 @@ def remote(tmp_path, settings) -> Iterator[Path]:
 
 @contextmanager
 def network_refused() -> Iterator[list[str]]:
-    """In this thread only: refuse, and note, every outgoing connection and every process spawned
-    (an MCP server over stdio). Other threads (the heartbeat's database connection) are left alone."""
+    """In this thread only: refuse, and note, every outgoing connection, every process spawned (an MCP
+    server over stdio) and every request handed to the MCP sessions' own thread (which talks to the
+    servers for the whole process). Other threads (the heartbeat's database connection) are left alone."""
     mine = threading.get_ident()
     tried: list[str] = []
 
@@ -64,6 +66,9 @@ def network_refused() -> Iterator[list[str]]:
         def call(*args, **kwargs):
             if threading.get_ident() != mine:
                 return real(*args, **kwargs)
+            for arg in args:
+                if inspect.iscoroutine(arg):
+                    arg.close()  # never awaited: it was refused
             tried.append(what)
             raise ConnectionRefusedError(f"a step tried to reach the network ({what})")
         return call
@@ -72,7 +77,9 @@ def network_refused() -> Iterator[list[str]]:
             mock.patch.object(socket.socket, "connect_ex", refusing("connect_ex", socket.socket.connect_ex)), \
             mock.patch.object(socket, "create_connection", refusing("create_connection", socket.create_connection)), \
             mock.patch.object(subprocess.Popen, "_execute_child",
-                              refusing("spawn", subprocess.Popen._execute_child)):
+                              refusing("spawn", subprocess.Popen._execute_child)), \
+            mock.patch.object(sessions, "run_sync", refusing("mcp session", sessions.run_sync)), \
+            mock.patch.object(sessions, "run", refusing("mcp session", sessions.run)):
         yield tried
 
 
@@ -120,7 +127,7 @@ def kinds(task: Task) -> list[str]:
 def test_the_refusal_catches_a_call_to_an_mcp_server():
     """The guard itself: an MCP request made in the refusing thread is refused, and noted."""
     config = client.ServerConfig(name="x", transport="http", url="http://127.0.0.1:9/mcp", timeout_s=5)
-    with network_refused() as tried, pytest.raises(client.McpError):
+    with network_refused() as tried, pytest.raises((client.McpError, ConnectionRefusedError)):
         client.get_task(config, "0123456789abcdef")
     assert tried
 
@@ -255,9 +262,12 @@ def test_an_mcp_tasks_calls_are_gateway_operations_each_run_once(remote, acme, a
     assert all(op.attempts == 1 for op in ran), [(op.key, op.attempts) for op in ran if op.attempts != 1]
     assert all("duration_ms" in op.usage for op in ran), "each was run by a gateway job"
     assert {op.status for op in ran} <= {OperationStatus.SUCCEEDED, OperationStatus.FAILED}
-    # The poll that was due when the cancel came was never run: closed with its task.
-    assert [(op.name, op.status, op.error_class) for op in ops if not op.attempts] == [
-        ("tasks/get", OperationStatus.FAILED, "cancelled")]
+    # The poll that was due when the cancel came was never run: closed with its task. So was the slow
+    # poll watching the remote task while the question waited, which the answer made needless.
+    never_ran = sorted((op.task_id == answered.pk, operations.is_watch(op.key), op.name, op.status, op.error_class)
+                       for op in ops if not op.attempts)
+    assert never_ran == [(False, False, "tasks/get", OperationStatus.FAILED, "cancelled"),
+                         (True, True, "tasks/get", OperationStatus.FAILED, "cancelled")]
     by_task = {task: Counter(op.name for op in ran if op.task_id == task.pk) for task in (answered, cancelled)}
     assert by_task[answered]["tools/call"] == 1 and by_task[answered]["tasks/update"] == 1
     assert by_task[answered]["tasks/get"] >= 2

@@ -17,6 +17,8 @@ url = "https://reports.example.com/mcp"
 headers_from_env = { Authorization = "REPORTS_AUTH" }
 timeout_s = 12
 tenants = ["acme"]
+title = "Quarterly reports"
+redact = ["reports-worker-7", "rpt-internal"]
 
 [servers.render]
 transport = "stdio"
@@ -42,6 +44,8 @@ def test_a_toml_file_names_servers_with_secrets_from_the_environment(tmp_path, m
     assert reports.allows("acme") and not reports.allows("globex")
     assert render.config.command == ("render-mcp", "--quiet") and render.config.env == {"RENDER_TOKEN": "r-token"}
     assert render.allows("globex"), "no tenants listed: every tenant"
+    assert reports.title == "Quarterly reports" and render.title == "render", "the name, when no title is given"
+    assert reports.redact == ("reports-worker-7", "rpt-internal") and render.redact == ()
 
 
 def test_a_json_file_works_the_same(tmp_path):
@@ -57,6 +61,9 @@ def test_a_json_file_works_the_same(tmp_path):
     ('[servers.x]\ntransport = "http"\nurl = "http://h/mcp"\ntimeout_s = -1', "timeout_s"),
     ('[servers.x]\ntransport = "http"\nurl = "http://h/mcp"\nheaders_from_env = { A = "NOT_SET_ANYWHERE_42" }',
      "NOT_SET_ANYWHERE_42 is not set"),
+    ('[servers.x]\ntransport = "http"\nurl = "http://h/mcp"\ntitle = ""', "title must be text"),
+    ('[servers.x]\ntransport = "http"\nurl = "http://h/mcp"\nredact = "node-7"', "redact must be a list"),
+    ('[servers.x]\ntransport = "http"\nurl = "http://h/mcp"\nredact = ["x"]', "at least 2 characters"),
     ('[other]\nx = 1', "`servers` table"),
     ('[servers.x\n', "not valid toml"),
 ])
