@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "axes",
     "tasks",
     "chat",
+    "webhooks",
 ]
 
 MIDDLEWARE = [
@@ -291,6 +292,21 @@ LONGHAUL_MCP_CONCURRENCY = envint("LONGHAUL_MCP_CONCURRENCY", 8, minimum=1)  # c
 # A result over 64 KiB is not stored: this many characters of it are, with result_truncated.
 LONGHAUL_MCP_RESULT_PREVIEW_CHARS = envint("LONGHAUL_MCP_RESULT_PREVIEW_CHARS", 2_000, minimum=100)
 
+# Webhooks (webhooks/): signed deliveries of task events to tenants' endpoints, through an outbox.
+# The URL rules are visit's (LONGHAUL_ALLOW_PRIVATE_FETCH lets loopback and private addresses in).
+LONGHAUL_WEBHOOK_TIMEOUT_S = envfloat("LONGHAUL_WEBHOOK_TIMEOUT_S", 10.0, minimum=0.1)
+LONGHAUL_WEBHOOK_MAX_RESPONSE_BYTES = envint("LONGHAUL_WEBHOOK_MAX_RESPONSE_BYTES", 64 * 1024, minimum=1024)
+# A delivery's lease outlives its request: a worker killed mid-delivery frees the row when it expires.
+LONGHAUL_WEBHOOK_LEASE_SECONDS = envfloat("LONGHAUL_WEBHOOK_LEASE_SECONDS", 60.0, minimum=1.0)
+LONGHAUL_WEBHOOK_MAX_ATTEMPTS = envint("LONGHAUL_WEBHOOK_MAX_ATTEMPTS", 8, minimum=1)
+LONGHAUL_WEBHOOK_RETRY_BASE_SECONDS = envfloat("LONGHAUL_WEBHOOK_RETRY_BASE_SECONDS", 30.0, minimum=0.0)
+LONGHAUL_WEBHOOK_RETRY_CAP_SECONDS = envfloat("LONGHAUL_WEBHOOK_RETRY_CAP_SECONDS", 3600.0, minimum=0.0)
+# After a rotation the old secret still signs (a second signature) this long, so receivers can switch.
+LONGHAUL_WEBHOOK_SECRET_OVERLAP_SECONDS = envint("LONGHAUL_WEBHOOK_SECRET_OVERLAP_SECONDS", 24 * 3600, minimum=0)
+LONGHAUL_WEBHOOK_MAX_ENDPOINTS = envint("LONGHAUL_WEBHOOK_MAX_ENDPOINTS", 20, minimum=1)  # per tenant
+if LONGHAUL_WEBHOOK_LEASE_SECONDS <= LONGHAUL_WEBHOOK_TIMEOUT_S:
+    raise ImproperlyConfigured("LONGHAUL_WEBHOOK_LEASE_SECONDS must exceed LONGHAUL_WEBHOOK_TIMEOUT_S, otherwise a "
+                               "delivery still under way is claimed again")
 
 LOGGING = {
     "version": 1,

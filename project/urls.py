@@ -1,6 +1,6 @@
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
-from django.urls import path
+from django.urls import include, path
 from django.views.i18n import JavaScriptCatalog
 from drf_spectacular.views import SpectacularAPIView
 
@@ -34,6 +34,7 @@ urlpatterns = [
     path("api/tasks/<str:task_id>/pause", api.TaskPause.as_view(), name="task-pause"),
     path("api/tasks/<str:task_id>/resume", api.TaskResume.as_view(), name="task-resume"),
     path("api/tasks/<str:task_id>/answer", api.TaskAnswer.as_view(), name="task-answer"),
+    path("api/webhooks", include("webhooks.urls")),
     path("api/threads", chat_api.ThreadList.as_view(), name="thread-list"),
     path("api/threads/<str:thread_id>", chat_api.ThreadDetail.as_view(), name="thread-detail"),
     path("api/threads/<str:thread_id>/messages", chat_api.ThreadMessages.as_view(), name="thread-messages"),

@@ -1,0 +1,14 @@
+from django.apps import AppConfig
+
+
+class WebhooksConfig(AppConfig):
+    name = "webhooks"
+    verbose_name = "Webhooks"
+
+    def ready(self) -> None:
+        from tasks import events, kicks
+        from webhooks import outbox
+
+        # tasks never imports webhooks (DESIGN §3): webhooks tells it, at start, what it needs.
+        kicks.register_job("webhook", "webhooks.jobs.deliver")
+        events.on_append(outbox.on_events)
