@@ -49,7 +49,8 @@ class Run(models.Model):
     idempotency_key = models.CharField(max_length=255, null=True, blank=True, unique=True)
     input = models.JSONField(default=dict)
     error = models.TextField(blank=True)
-    task = models.ForeignKey("tasks.Task", null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    # A notification run tells of its task: deleting the task deletes it (its messages stay in the thread).
+    task = models.ForeignKey("tasks.Task", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
     task_version = models.PositiveIntegerField(default=0, help_text="The notification version this run tells.")
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)

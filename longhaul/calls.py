@@ -182,6 +182,10 @@ def answer(task_id: str, answer: str | Mapping[str, Any]) -> Call:
     return post(f"/tasks/{task_path(task_id)}/answer", {"answer": value}, resend_safe=False)
 
 
+def delete(task_id: str) -> Call:
+    return Call("DELETE", f"/tasks/{task_path(task_id)}", resend_safe=False)
+
+
 def never_sent(exc: Exception) -> bool:
     """The connection failed before the request left: any request may be sent again."""
     return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)

@@ -391,6 +391,15 @@ def result(
             sys.stdout.flush()
 
 
+@app.command()
+def delete(ref: Ref, as_json: JsonOption = False) -> None:
+    """Delete an ended task and everything it produced."""
+    with reporting(as_json=as_json), connect() as client:
+        task = find_task(client, ref)
+        client.delete(task["id"])
+        print_json({"deleted": task["id"]}) if as_json else out.print(f"deleted {task['id']}")
+
+
 def main() -> None:
     """The console script. click exits with the command's code (typer.Exit), 2 on bad usage."""
     app()

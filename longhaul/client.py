@@ -191,6 +191,10 @@ class Client:
         """The result and its result_version; Conflict (`not_ready`) until there is one."""
         return self.send(calls.get(f"/tasks/{calls.task_path(task_id)}/result"))
 
+    def delete(self, task_id: str) -> None:
+        """Delete an ended task and what it produced (Conflict `task_active` while it may still run)."""
+        self.send(calls.delete(task_id))
+
 
 class AsyncClient:
     """Asynchronous client: the same methods as Client, awaited."""
@@ -298,6 +302,9 @@ class AsyncClient:
 
     async def result(self, task_id: str) -> Result:
         return await self.send(calls.get(f"/tasks/{calls.task_path(task_id)}/result"))
+
+    async def delete(self, task_id: str) -> None:
+        await self.send(calls.delete(task_id))
 
 
 __all__ += ["Event", "EventPage", "Follow", "Result", "SyncFollow", "Task"]

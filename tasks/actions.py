@@ -133,6 +133,25 @@ def request_cancel(task: Task, *, user: Any, reason: str = "", keep_results: boo
     return fresh
 
 
+# A task may be deleted once nothing will run it again without its owner: ended, or stopped partial.
+DELETABLE = TERMINAL | {TaskStatus.PARTIAL}
+
+
+def delete_task(task: Task, *, user: Any) -> dict[str, int]:
+    """Delete a task that has ended, with everything derived from it (events, checkpoints, operations,
+    notification runs, webhook deliveries...). The audit entry keeps who, when and how many rows of each
+    class were deleted, never content. Returns those counts."""
+    now = clock.now()
+    with transaction.atomic():
+        fresh = Task.objects.select_for_update().get(pk=task.pk)
+        if fresh.status not in DELETABLE:
+            raise Conflict(f"the task is {fresh.status}: cancel it first, then delete it", code="task_active")
+        _, deleted = fresh.delete()
+        counts = {label.split(".")[-1].lower(): n for label, n in sorted(deleted.items()) if n}
+        _audit(fresh, user, "task.delete", now, {"deleted": counts})
+    return counts
+
+
 def request_pause(task: Task, *, user: Any, reason: str = "") -> Task:
     now = clock.now()
     with transaction.atomic():

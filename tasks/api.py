@@ -215,6 +215,13 @@ class TaskDetail(APIView):
     def get(self, request: Request, task_id: str) -> Response:
         return Response(TaskSerializer(get_visible_task(request, task_id)).data)
 
+    @extend_schema(parameters=[TASK_ID], responses={204: None, 409: ERRORS[409], **READ_ERRORS},
+                   description="Delete a task that has ended (or stopped partial) with everything derived from "
+                               "it; 409 `task_active` while it may still run: cancel it first.")
+    def delete(self, request: Request, task_id: str) -> Response:
+        actions.delete_task(get_visible_task(request, task_id), user=request.user)
+        return Response(status=204)
+
 
 class TaskEvents(APIView):
     @extend_schema(

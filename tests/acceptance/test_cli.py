@@ -209,6 +209,23 @@ def test_it_refuses_an_answer_to_a_task_that_asks_nothing(acme, alice, token, ho
     assert json.loads(one_line(answered.stderr))["code"] == "not_waiting"
 
 
+def test_it_deletes_an_ended_task_and_refuses_a_running_one(acme, alice, token, home, log_dir):
+    ended = make_task(acme, alice, status=TaskStatus.SUCCEEDED, name="old report")
+    running = make_task(acme, alice, status=TaskStatus.RUNNING, name="live report")
+    env = {**home, "LONGHAUL_TOKEN": token}
+    with daphne(log_dir) as base:
+        env["LONGHAUL_URL"] = base
+        deleted = longhaul("delete", "old report", "--json", env=env)
+        refused = longhaul("delete", str(running.public_id), env=env)
+        again = longhaul("delete", str(ended.public_id), env=env)
+    assert deleted.returncode == 0, deleted.stderr
+    assert json.loads(deleted.stdout) == {"deleted": str(ended.public_id)}
+    assert not Task.objects.filter(pk=ended.pk).exists()
+    assert refused.returncode == 8 and "cancel it first" in one_line(refused.stderr)
+    assert Task.objects.filter(pk=running.pk).exists()
+    assert again.returncode == 7
+
+
 # --- names -----------------------------------------------------------------------------------
 
 def test_it_cancels_by_name_and_lists_the_candidates_of_an_ambiguous_one(acme, alice, bob, token, home, log_dir):

@@ -57,6 +57,7 @@ def test_it_passes_a_structured_answer_through_as_given():
 def test_it_resends_only_what_a_repeat_cannot_double():
     assert calls.cancel("t", reason="", keep_results=False).resend_safe
     assert not calls.resume("t", budget=None).resend_safe
+    assert not calls.delete("t").resend_safe
 
 
 def test_it_reads_the_cursor_of_the_next_page():
