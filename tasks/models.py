@@ -13,7 +13,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import F, Q
 
-from tasks.statuses import CLAIMABLE, HOLDS_SLOT, ErrorClass, NotificationStatus, OperationStatus, TaskStatus
+from tasks.statuses import CLAIMABLE, HOLDS_SLOT, TERMINAL, ErrorClass, NotificationStatus, OperationStatus, TaskStatus
 
 
 class Tenant(models.Model):
@@ -144,9 +144,11 @@ class Task(models.Model):
 
     class Meta:
         constraints = [
-            # One task per remote task: the same owner cannot track a server's handle twice.
+            # One active task per remote task: the same owner cannot track a server's handle twice at once
+            # (a task that ended lets go of it: servers may reuse ids). Used by runner._remember_remote, which
+            # turns its violation into "already tracked", and by drivers.mcp._tracked_elsewhere.
             models.UniqueConstraint(fields=["owner", "remote_server", "remote_handle"], name="task_remote_handle_unique",
-                                    condition=Q(remote_handle__isnull=False)),
+                                    condition=Q(remote_handle__isnull=False) & ~Q(status__in=sorted(TERMINAL))),
         ]
         indexes = [
             # leases.claim and sweeper.kick_due: "claimable and due", ordered by due time.

@@ -33,7 +33,7 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -47,7 +47,10 @@ from tasks.drain import draining
 from tasks.drivers import OpRequest
 from tasks.errors import InternalError, InvalidInput, StepError, StepTimeout
 from tasks.models import Checkpoint, Operation, Task
-from tasks.statuses import TERMINAL, ErrorClass, OperationStatus, TaskStatus
+from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
+
+if TYPE_CHECKING:
+    from tasks.mcp.client import ServerConfig
 
 log = logging.getLogger(__name__)
 KINDS = ("model", "tool", "mcp")
@@ -385,9 +388,9 @@ def _finish(op_id: int, *, guard: Q, fields: dict[str, Any], retries_used: int =
             return True
         still_waiting = task.status == TaskStatus.WAITING_TOOL or (
             task.status == TaskStatus.RUNNING and task.waiting_reason in ("model", "tool"))
-        if still_waiting and op.step >= task.current_step - 1 and not unfinished(task.pk, op.step):
-            if transitions.operations_done(task, now=now):
-                kicks.kick("advance", task.pk)
+        if still_waiting and op.step >= task.current_step - 1 and not unfinished(task.pk, op.step) \
+                and transitions.operations_done(task, now=now):
+            kicks.kick("advance", task.pk)
     return True
 
 
@@ -397,28 +400,44 @@ def _after_watch(task: Task, op_id: int, *, now: datetime) -> None:
     if task.cancel_requested_at or task.pause_requested_at:
         return  # the stop acts on the task (tasks/liveness.py makes sure); no more watching
     op = Operation.objects.get(pk=op_id)
-    if _question_stands(task, op):
+    checkpoint = Checkpoint.objects.filter(task_id=task.pk).order_by("-step").first()
+    state = checkpoint.state if checkpoint else {}
+    if _question_stands(task, op, state):
+        again = now + _watch_again_after(task, op, state)
         request(task, token=op.fencing_token, now=now, prefix=WATCH_PREFIX, step=op.step, requests=[
-            OpRequest(op.kind, op.name, op.args, not_before=now + WATCH_AGAIN_AFTER)])
-        kicks.kick("operations", task.pk, at=now + WATCH_AGAIN_AFTER)
+            OpRequest(op.kind, op.name, op.args, not_before=again)])
+        kicks.kick("operations", task.pk, at=again)
         return
     transitions.withdraw_question(task, now=now)  # queued: admission gives it a slot and kicks its step
 
 
-def _question_stands(task: Task, op: Operation) -> bool:
-    """What the driver makes of a finished watch call. One that failed on the way (the server out of
-    reach, a timeout) leaves the question standing; any other failure is for the next step to read."""
+def _question_stands(task: Task, op: Operation, state: dict[str, Any]) -> bool:
+    """What the driver makes of a finished watch call. One that did not succeed (the server out of
+    reach, a 401, gateway jobs that kept dying) says nothing about the question: it stands."""
     from tasks.drivers import get_driver
 
     if op.status != OperationStatus.SUCCEEDED:
-        return op.error_class in (ErrorClass.TRANSIENT, ErrorClass.TIMEOUT, ErrorClass.RATE_LIMITED)
-    checkpoint = Checkpoint.objects.filter(task_id=task.pk).order_by("-step").first()
+        return True
     try:
         driver = get_driver(task.kind)
-        return bool(driver.question_stands(checkpoint.state if checkpoint else {}, op.result))  # type: ignore[attr-defined]
+        return bool(driver.question_stands(state, op.result))  # type: ignore[attr-defined]
     except Exception:  # a driver's bug must not keep the task waiting on a question nobody can see through
         log.exception("task %s: could not tell whether its question still stands", task.pk)
         return False
+
+
+def _watch_again_after(task: Task, op: Operation, state: dict[str, Any]) -> timedelta:
+    """How long a standing question waits for its next watch: a minute, or longer if the driver says
+    its remote asks to be polled less often."""
+    from tasks.drivers import get_driver
+
+    try:
+        every = getattr(get_driver(task.kind), "watch_every", None)
+        asked = every(state, op.result if op.status == OperationStatus.SUCCEEDED else None) if every else None
+    except Exception:  # a driver's bug leaves the default, never the question unwatched
+        log.exception("task %s: could not tell when to watch its remote task again", task.pk)
+        asked = None
+    return max(WATCH_AGAIN_AFTER, asked) if asked is not None else WATCH_AGAIN_AFTER
 
 
 async def _execute(op: Operation, *, client: Any, budget: Any) -> tuple[Any, dict[str, Any]]:
@@ -440,6 +459,9 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
     from tasks.gateway.retry import RetryBudget
 
     budget = RetryBudget(await sync_to_async(retries_left)(op.task_id))
+    # Looked up while the database answers: if recording the call's outcome fails, the database may be
+    # what failed, and the remote task it created must still be cancelled.
+    cancel_on = await sync_to_async(_compensation_server)(op)
     started = time.monotonic()
     result, usage, error = None, None, None
     try:
@@ -459,27 +481,36 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
                                     retries_used=budget.used)
     except Exception:
         if error is None:
-            await _compensate(op, result)
+            await _compensate(op, result, cancel_on)
         raise
 
 
-async def _compensate(op: Operation, result: Any) -> None:
-    """A remote job was created but its handle could not be recorded: nothing would ever follow or
-    stop it, so it is cancelled, once. The caller re-raises the recording's error; a failure here
-    is only logged."""
-    if op.kind != "mcp":
-        return
-    from tasks.mcp import calls
+def _compensation_server(op: Operation) -> ServerConfig | None:
+    """For a tools/call: the server its remote task is cancelled on should its outcome not be recorded
+    (None for other calls, and for a server this task's workspace may no longer use)."""
+    from tasks.mcp import calls, config
 
-    handle = remote_handle_of(result) if op.name == calls.CALL_TOOL else None
-    if handle is None:
+    if op.kind != "mcp" or op.name != calls.CALL_TOOL:
+        return None
+    slug = Task.objects.filter(pk=op.task_id).values_list("tenant__slug", flat=True).first()
+    server = config.servers().get(str(op.args.get("server")))
+    if server is None or slug is None or not server.allows(slug):
+        return None
+    return server.config
+
+
+async def _compensate(op: Operation, result: Any, server: ServerConfig | None) -> None:
+    """A remote job was created but its handle could not be recorded: nothing would ever follow or
+    stop it, so it is cancelled, once, with no database read (the database may be what failed). The
+    caller re-raises the recording's error; a failure here is only logged."""
+    handle = remote_handle_of(result)
+    if server is None or handle is None:
         return
     log.error("operation %s: the remote task it created could not be recorded; cancelling it", op.key)
     try:
-        from tasks.gateway.retry import RetryBudget
+        from tasks.mcp import client
 
-        await calls.run(calls.CANCEL, {"server": op.args["server"], "remote": handle}, task_id=op.task_id,
-                        budget=RetryBudget(0))
+        await client.cancel_task_async(server, handle)
     except BaseException:
         log.exception("operation %s: cancelling the unrecorded remote task failed too", op.key)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
 
 from django.core.validators import RegexValidator
@@ -251,7 +252,8 @@ MAX_ANSWER_CHARS = 10_000
          "description": "Free text, for a question without a form or with a single text field."},
         {"type": "object", "required": ["action"], "additionalProperties": False, "properties": {
             "action": {"type": "string", "enum": list(forms.ACTIONS)},
-            "content": {"type": "object", "description": "Field values by name (accept only)."}}},
+            "content": {"type": "object", "description": "Field values by name (accept only)."}},
+         "description": f"At most {MAX_ANSWER_CHARS} characters as JSON."},
     ],
 })
 class AnswerField(serializers.Field):
@@ -267,6 +269,9 @@ class AnswerField(serializers.Field):
                 raise serializers.ValidationError(f"must be at most {MAX_ANSWER_CHARS} characters")
             return text
         if isinstance(data, dict) and data.get("action") in forms.ACTIONS:
+            # As bounded as a text answer: the answer is stored, and sent to the server, whole.
+            if len(json.dumps(data, ensure_ascii=False, separators=(",", ":"))) > MAX_ANSWER_CHARS:
+                raise serializers.ValidationError(f"must be at most {MAX_ANSWER_CHARS} characters as JSON")
             return data
         raise serializers.ValidationError('must be text or an object with an action ("accept", "decline", "cancel")')
 

@@ -1,13 +1,14 @@
 """The `mcp` driver: one tool call on a configured remote MCP server, followed as a durable task.
 
-Input: {server, tool, arguments}. Like every driver, a step never talks to the network: it
+Input: {server, tool, arguments}, the server named by its title or its configured name (the name is
+stored; only titles are ever shown). Like every driver, a step never talks to the network: it
 requests MCP calls (tasks/mcp/calls.py) that gateway jobs run in the `mcp` pool, and the next
 step reads their outcome. The first step requests the tools/call (with the Tasks extension;
 requested `once`, so a gateway job that dies during it fails it rather than calls the tool
 twice); a server that answers at once ends the task there, and one that asks before it creates
 a task (an input-required result) has its questions asked of the owner, then is called again
 with the answers. Otherwise the remote task id goes to the task row (`RemoteFacts`, unique per
-owner and server, never shown) and into the checkpoint, and each later step reads one poll's
+owner and server among active tasks, never shown) and into the checkpoint, and each later step reads one poll's
 outcome and requests the next poll: one step per poll, and meanwhile the task is running,
 waiting on that unfinished call, holding no worker. Remote statuses map onto the task's
 (DESIGN §10):
@@ -27,14 +28,18 @@ pollIntervalMs, kept within [LONGHAUL_MCP_POLL_FLOOR_MS, 24 h] and never after t
 wall-time deadline. A poll that errors backs off min(interval * 2^(n-1), cap) from the failed
 call's completion time; after DEGRADED_AFTER errors in a row the task is flagged
 `tracking_degraded` and its last (redacted) poll error is kept, both cleared by the next good
-poll. While the owner is asked, a slow poll (the Ask's `watch`, no sooner than a minute) notices
-a remote task that moved on, and the question is withdrawn (`question_stands`).
+poll. While the owner is asked, a slow poll (the Ask's `watch`, no sooner than a minute nor than
+the server's interval: `watch_every`) notices a remote task that moved on, and the question is
+withdrawn (`question_stands`); a watch that fails, or is closed by a pause, says nothing, and the
+question stands.
 
 A poll that learns nothing new writes no checkpoint and counts no step; a remote task is bounded
 by its wall time, not max_steps. A cancel request runs `cancel_step` rounds instead:
 tasks/cancel (counted; a failure is kept and retried with backoff from the failure), then polls
-until the remote confirms or is gone, or until LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS pass, so a
-cancel always ends; a poll answered after the request is never acted on. A task that ends
+until the remote confirms or is gone, or until LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS pass (no round is
+due after that, whatever interval the server asks for), so a cancel always ends; a cancel round's
+failure is counted and kept but never flags `tracking_degraded`; a poll answered after the request
+is never acted on. A task that ends
 otherwise (its budget, an error) requests one tasks/cancel in the transaction that ends it
 (`abandon`), unless the last poll saw the remote task stopped, or the handle belongs to another
 of the owner's tasks. Every text shown is redacted of the remote id and the server's internals.
@@ -57,7 +62,7 @@ from tasks.events import NewEvent
 from tasks.mcp import calls, client, config, forms
 from tasks.models import Operation, Task, Tenant
 from tasks.operations import OpOutcome
-from tasks.statuses import ErrorClass, OperationStatus
+from tasks.statuses import TERMINAL, ErrorClass, OperationStatus
 
 DEGRADED_AFTER = 3
 GONE = "the remote task is gone: the MCP server no longer knows it (its time to live may have passed)"
@@ -92,11 +97,12 @@ class McpDriver:
         if unknown:
             raise InvalidInput(f"input has unknown fields: {', '.join(unknown)}", field=f"input.{unknown[0]}")
         name, tool, arguments = raw.get("server"), raw.get("tool"), raw.get("arguments", {})
-        if not isinstance(name, str) or not name:
+        if not isinstance(name, str) or not name.strip():
             raise InvalidInput("input.server must name a configured MCP server", field="input.server")
-        server = config.servers().get(name)
-        if server is None or (tenant is not None and not server.allows(tenant.slug)):
-            known = ", ".join(s.name for s in config.for_tenant(tenant.slug if tenant else "")) or "none"
+        server = _named_server(name, tenant)
+        if server is None:
+            # Titles only: a server's configured name never leaves Longhaul.
+            known = ", ".join(s.title for s in _usable_servers(tenant)) or "none"
             raise InvalidInput(f"unknown MCP server {name!r}; configured servers: {known}", field="input.server")
         if not isinstance(tool, str) or not 1 <= len(tool) <= 200:
             raise InvalidInput("input.tool must be a tool name of 1 to 200 characters", field="input.tool")
@@ -105,7 +111,7 @@ class McpDriver:
         if len(json.dumps(arguments)) > MAX_ARGUMENTS_BYTES:
             raise InvalidInput(f"input.arguments must be at most {MAX_ARGUMENTS_BYTES} bytes of JSON",
                                field="input.arguments")
-        return {"server": name, "tool": tool, "arguments": arguments}
+        return {"server": server.name, "tool": tool, "arguments": arguments}
 
     def initial_state(self, task_input: dict[str, Any]) -> dict[str, Any]:
         # awaiting: the call the last step requested, whose outcome the next step reads (None, "call",
@@ -172,8 +178,7 @@ class McpDriver:
                                  f"over the limit of {MAX_HANDLE_CHARS}")
         if _tracked_elsewhere(ctx.task, handle):
             raise PermanentError(ALREADY_TRACKED)  # and its remote work, another task's, is left alone
-        # The configured name is stored; the API and the streams show the server's title in its place.
-        ctx.emit("remote_started", tool=spec["tool"], server=spec["server"])
+        ctx.emit("remote_started", tool=spec["tool"])  # never the server's configured name
         facts = RemoteFacts(handle=handle, server=spec["server"])
         state = {**state, "remote": handle, "awaiting": None, "before": None}
         return self._follow(state, ctx, remote, done_at=_finished_at(ctx), facts=facts)
@@ -255,8 +260,7 @@ class McpDriver:
         watch = None
         if state["remote"] is not None:
             # Slowly (a minute at least): enough to see the remote task resolve, expire or be cancelled meanwhile.
-            watch = calls.get(ctx.input["server"], state["remote"],
-                              at=clock.now() + max(WATCH_EVERY, _poll_interval(state["poll_ms"])))
+            watch = calls.get(ctx.input["server"], state["remote"], at=clock.now() + self.watch_every(state, None))
         state = {**state, "asking": asking, "awaiting": "watch" if watch is not None else None}
         # A question without fields is answered in free text (accepted as it is).
         form = forms.keeping_order(schema) if forms.fields(schema) else None
@@ -279,10 +283,12 @@ class McpDriver:
         if ctx.answer or ctx.answer_data is not None:
             return self._send_answer(state, ctx)
         outcome = _awaited(ctx) if state["awaiting"] == "watch" else None
-        if outcome is not None and outcome.finished:
-            # Withdrawn: the remote task moved on without the answer.
+        if outcome is not None and outcome.finished and outcome.ok:
+            # Withdrawn: the remote task moved on without the answer (if it did not, the poll asks again).
             return self._after_poll({**state, "asking": None, "awaiting": "poll"}, ctx, outcome)
-        return self._ask(state, ctx, state["asking"], [])  # no answer (a step run again): ask again
+        # No answer, and no watch that saw anything (a step run again; a watch closed by a pause or that
+        # failed): the question stands, so it is asked again.
+        return self._ask(state, ctx, state["asking"], [])
 
     def _send_answer(self, state: dict[str, Any], ctx: StepContext) -> Outcome:
         asking = state["asking"]
@@ -318,8 +324,18 @@ class McpDriver:
         at = _due(ctx, _finished_at(ctx) + _poll_interval(state["poll_ms"]))
         return self._poll(state, ctx, at=at, events=[NewEvent("answer_sent", {})])
 
+    def watch_every(self, state: dict[str, Any], result: Any) -> timedelta:
+        """How often the remote task is watched while its owner is asked: no sooner than a minute, nor
+        than the server asks (its latest word: a watch's answer, else the last poll's)."""
+        remote = result.get("task") if isinstance(result, dict) else None
+        poll_ms = remote.get("poll_interval_ms") if isinstance(remote, dict) else None
+        if poll_ms is None:
+            poll_ms = (state or {}).get("poll_ms")
+        return max(WATCH_EVERY, _poll_interval(poll_ms))
+
     def question_stands(self, state: dict[str, Any], result: Any) -> bool:
-        """Whether a watching poll's result still shows the asked question open (a failed poll says nothing)."""
+        """Whether a watching poll's result still shows the asked question open (the runtime never shows
+        this a failed poll: that says nothing, and the question stands)."""
         asking = (state or {}).get("asking")
         if asking is None:
             return False
@@ -362,15 +378,15 @@ class McpDriver:
         outcome = _awaited(ctx) if awaiting in ("cancel", "cancel_poll") else None
         at: datetime | None = None
         events: list[NewEvent] = []
-        degraded: bool | None = None
         facts: dict[str, Any] = {}
         if outcome is None and _last_remote_status(ctx.task.pk) in STOPPED:
             return Continue(state, events)  # the last poll saw it stop: nothing to cancel
         if outcome is not None and outcome.finished:
             done_at = _finished_at(ctx)
             if not outcome.ok:
-                state, events, delay, degraded = _backed_off(state, outcome)
-                at = done_at + delay
+                # Counted, and kept if it was the cancel's, but never "tracking degraded": the task is ending.
+                state["errors"] = state.get("errors", 0) + 1
+                at = done_at + _retry_delay(state)
                 if awaiting == "cancel":
                     facts["cancel_error"] = _shown(outcome.error_message, ctx) or "the cancel failed"
             elif awaiting == "cancel":
@@ -384,8 +400,8 @@ class McpDriver:
                 state["errors"] = 0
                 at = done_at + _poll_interval(outcome.result["task"]["poll_interval_ms"])
         started = state.setdefault("cancel_started", now.isoformat())
-        out_of_time = now - datetime.fromisoformat(started) > timedelta(
-            seconds=settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS)
+        window_ends = datetime.fromisoformat(started) + timedelta(seconds=settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS)
+        out_of_time = now > window_ends
         if out_of_time and state.get("cancel_tries", 0) > 0:
             tried = f"{attempts} attempt" + ("" if attempts == 1 else "s")
             events.append(NewEvent("remote_cancel_unconfirmed", {
@@ -399,6 +415,8 @@ class McpDriver:
                                                                  "message": "the MCP server is no longer configured"}))
             return Continue(state, events, remote=_remote_facts(facts))
         state["cancel_tries"] = state.get("cancel_tries", 0) + 1
+        if at is not None:
+            at = min(at, window_ends)  # a server asking for hourly polls does not stretch the window to hours
         server = ctx.input["server"]
         if not state.get("cancel_sent"):
             request, awaiting = calls.cancel(server, remote_id, at=at), "cancel"
@@ -406,8 +424,7 @@ class McpDriver:
             facts["cancel_attempts"] = attempts + 1
         else:
             request, awaiting = calls.get(server, remote_id, at=at), "cancel_poll"
-        return Continue({**state, "awaiting": awaiting}, events, [request], tracking_degraded=degraded,
-                        remote=_remote_facts(facts))
+        return Continue({**state, "awaiting": awaiting}, events, [request], remote=_remote_facts(facts))
 
     def abandon(self, task: Task, state: dict[str, Any] | None) -> list[OpRequest]:
         remote_id = _remote_id(task.pk, state)
@@ -452,10 +469,24 @@ def _shown(text: str, ctx: StepContext) -> str:
     return text
 
 
+def _usable_servers(tenant: Tenant | None) -> list[config.Server]:
+    return config.for_tenant(tenant.slug) if tenant is not None else list(config.servers().values())
+
+
+def _named_server(typed: str, tenant: Tenant | None) -> config.Server | None:
+    """The server `typed` names, by its title or its configured name, case-insensitively (as chat's
+    find_server), among those the tenant may use."""
+    wanted = typed.strip().casefold()
+    usable = _usable_servers(tenant)
+    return next((s for s in usable if s.title.casefold() == wanted), None) \
+        or next((s for s in usable if s.name.casefold() == wanted), None)
+
+
 def _tracked_elsewhere(task: Task, handle: str) -> bool:
-    """Whether another of the owner's tasks follows this remote task on the same server."""
+    """Whether another of the owner's active tasks follows this remote task on the same server (one that
+    ended lets go of it: servers may reuse ids)."""
     return (Task.objects.filter(owner_id=task.owner_id, remote_server=task.input["server"], remote_handle=handle)
-            .exclude(pk=task.pk).exists())
+            .exclude(status__in=TERMINAL).exclude(pk=task.pk).exists())
 
 
 def _awaited(ctx: StepContext) -> OpOutcome | None:
@@ -509,15 +540,21 @@ def _remote_facts(values: dict[str, Any]) -> RemoteFacts | None:
 def _backed_off(state: dict[str, Any], outcome: OpOutcome) -> tuple[dict[str, Any], list[NewEvent], timedelta, bool]:
     """After a failed call: the state, events, the delay before the next one, and whether tracking is degraded."""
     errors = state.get("errors", 0) + 1
-    base = _poll_interval(state.get("poll_ms")).total_seconds()
-    delay = min(base * 2 ** min(errors - 1, 16), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS)
+    delay = _retry_delay({**state, "errors": errors})
     degraded = errors >= DEGRADED_AFTER
     events = []
     if degraded and not state.get("degraded"):
         # Fixed words: a server's own error text may carry its task id.
         kind = "not reachable" if outcome.error_class == ErrorClass.TRANSIENT else "answering with errors"
         events.append(NewEvent("tracking_degraded", {"errors": errors, "message": f"the MCP server is {kind}"}))
-    return {**state, "errors": errors, "degraded": degraded}, events, timedelta(seconds=delay), degraded
+    return {**state, "errors": errors, "degraded": degraded}, events, delay, degraded
+
+
+def _retry_delay(state: dict[str, Any]) -> timedelta:
+    """How long after its `errors`-th failure in a row a call is tried again: min(interval * 2^(n-1), cap)."""
+    base = _poll_interval(state.get("poll_ms")).total_seconds()
+    errors = max(1, state.get("errors", 1))
+    return timedelta(seconds=min(base * 2 ** min(errors - 1, 16), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS))
 
 
 def _poll_interval(server_ms: int | None) -> timedelta:
@@ -525,7 +562,9 @@ def _poll_interval(server_ms: int | None) -> timedelta:
     floor = timedelta(milliseconds=settings.LONGHAUL_MCP_POLL_FLOOR_MS)
     if server_ms is None:
         return floor
-    return min(max(timedelta(milliseconds=server_ms), floor), POLL_CEILING)
+    # Clamped as a number first: a huge finite interval (1e17 ms) is past what a timedelta holds.
+    ceiling_ms = POLL_CEILING / timedelta(milliseconds=1)
+    return max(timedelta(milliseconds=min(server_ms, ceiling_ms)), floor)
 
 
 def _remote_id(task_id: int, state: dict[str, Any] | None) -> str | None:

@@ -20,9 +20,10 @@ backing off as it does after an error.
 
 What is stored is bounded and redacted here, where the server's configuration is known: the
 remote task id, the configured server name, its URL, command and secrets never appear in a
-stored text (`redact`). Texts: status messages 500 characters, errors 4,000; a question (an
-input request) over 64 KiB is refused; a result over 64 KiB keeps a preview and says so
-(`result_truncated`).
+stored text (`redact`); a tool's result keeps the server's name, a word it may well use. Texts:
+status messages 500 characters, errors 4,000; a question (an input request) or the state a tool
+that asks first wants back over 64 KiB is refused; a result over 64 KiB keeps a preview and says
+so (`result_truncated`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from django.conf import settings
 from tasks.drivers import OpRequest
 from tasks.errors import PermanentError, TransientError
 from tasks.gateway.retry import RetryBudget, with_retries
-from tasks.mcp import client, config
+from tasks.mcp import client, config, forms
 from tasks.models import Task
 
 KIND = "mcp"
@@ -54,8 +55,14 @@ STATUS_MESSAGE_CHARS = 500
 ERROR_CHARS = 4_000
 RESULT_MAX_BYTES = 64 * 1024  # a larger result keeps only its preview
 QUESTION_MAX_BYTES = 64 * 1024  # a larger question fails the task
+REQUEST_STATE_MAX_BYTES = 64 * 1024  # the state a tool that asks first wants back; a larger one fails the task
+# A remote task id shorter than this is never replaced in a text: "42" or "job-7" is also a common number or
+# word, and replacing every one of them would garble the text while hiding nothing worth hiding.
+HANDLE_MIN_CHARS = 8
 HANDLE = "[remote task]"
 SERVER = "[server]"
+# The keys of a question's schema whose strings the user sees: titles, descriptions and the choices.
+SHOWN_SCHEMA_KEYS = ("title", "description", "enum", "enumNames", "const", "default")
 
 
 # --- what a step asks for ---------------------------------------------------------------
@@ -90,13 +97,16 @@ def cancel(server: str, remote: str, *, at: datetime | None = None, abandon: boo
 
 
 def redact(text: str, *, handle: str | None = None, server: client.ServerConfig | str | None = None,
-           limit: int | None = ERROR_CHARS) -> str:
-    """`text` without the remote task id and the server's internals (configured name, URL, host, command,
-    header and environment values), cut to `limit` characters."""
+           limit: int | None = ERROR_CHARS, name: bool = True) -> str:
+    """`text` without the remote task id (of HANDLE_MIN_CHARS or more) and the server's internals (configured
+    name, URL, host, command, header and environment values), cut to `limit` characters.
+
+    `name=False` keeps the configured name, for a tool's result: a server named "tools" says nothing
+    secret, and its results may well use the word."""
     if not text:
         return ""
-    replacements = [(token, SERVER) for token in _internals(server)]
-    if handle:
+    replacements = [(token, SERVER) for token in _internals(server, name=name)]
+    if handle and len(handle) >= HANDLE_MIN_CHARS:
         replacements.append((handle, HANDLE))
     # Longest first, so a URL goes as a whole before its host does.
     for token, mark in sorted(replacements, key=lambda pair: -len(pair[0])):
@@ -104,16 +114,20 @@ def redact(text: str, *, handle: str | None = None, server: client.ServerConfig 
     return text[:limit] if limit is not None else text
 
 
-def _internals(server: client.ServerConfig | str | None) -> Iterable[str]:
-    """The words that say which server this is, or how to reach it, and those its configuration lists."""
+def _internals(server: client.ServerConfig | str | None, *, name: bool = True) -> list[str]:
+    """The words that say which server this is (its configured name, unless not `name`), or how to reach it,
+    and those its configuration lists."""
     if server is None:
         return []
     if isinstance(server, str):
         configured = config.servers().get(server)
-        return [server, *(_internals(configured.config) if configured is not None else [])]
+        words = _internals(configured.config, name=name) if configured is not None else []
+        return [server, *words] if name else words
     configured = config.servers().get(server.name)
     # Secrets go too, should a server echo them; short values ("1", "on") are words, not secrets.
-    tokens = {server.name, *(v for v in (*server.headers.values(), *server.env.values()) if len(v) >= 8)}
+    tokens = {v for v in (*server.headers.values(), *server.env.values()) if len(v) >= 8}
+    if name:
+        tokens.add(server.name)
     if server.url:
         parts = urlsplit(server.url)
         tokens |= {server.url, server.url.rstrip("/"), parts.netloc, parts.hostname or ""}
@@ -129,9 +143,11 @@ def _internals(server: client.ServerConfig | str | None) -> Iterable[str]:
 
 
 def _redact_strings(value: Any, scrub: Any, *, keys: tuple[str, ...] | None = None) -> Any:
-    """`value` with its strings scrubbed; with `keys`, only strings under those keys (a schema's titles)."""
+    """`value` with its strings scrubbed; with `keys`, only the strings (or lists of strings) under those keys
+    (a schema's titles and choices)."""
     if isinstance(value, dict):
-        return {k: (scrub(v) if isinstance(v, str) and (keys is None or k in keys)
+        return {k: (_redact_strings(v, scrub) if keys is not None and k in keys and isinstance(v, str | list)
+                    else scrub(v) if isinstance(v, str) and keys is None
                     else _redact_strings(v, scrub, keys=keys)) for k, v in value.items()}
     if isinstance(value, list):
         return [_redact_strings(v, scrub, keys=keys) for v in value]
@@ -200,6 +216,11 @@ async def _call_tool(server: client.ServerConfig, args: dict[str, Any]) -> dict[
     if isinstance(answer, client.Created):
         return {"task": remote_task(answer.task, server=server)}
     # InputNeeded: the server asks before it creates any task; the step asks the owner.
+    state_size = len(answer.request_state.encode()) if answer.request_state is not None else 0
+    if state_size > REQUEST_STATE_MAX_BYTES:
+        # It would be stored (operation result, checkpoint) until the call is made again.
+        raise PermanentError(f"protocol error: the remote tool asked to keep a state of {state_size // 1024} KiB, "
+                             f"over the limit of {REQUEST_STATE_MAX_BYTES // 1024} KiB")
     try:
         questions = input_requests(answer.requests, server=server)
     except TooBig as exc:
@@ -286,21 +307,25 @@ def input_requests(requests: Iterable[client.InputRequest], *, server: client.Se
 
     stored = []
     for r in requests:
-        size = len(json.dumps({"message": r.message, "schema": r.schema, "raw": r.raw}, default=str).encode())
+        # The raw request holds the message and the schema: measured once.
+        size = len(json.dumps(r.raw, default=str).encode())
         if size > QUESTION_MAX_BYTES:
             raise TooBig(f"protocol error: the remote tool asked a question of {size // 1024} KiB, "
                          f"over the limit of {QUESTION_MAX_BYTES // 1024} KiB")
-        schema = _redact_strings(r.schema, scrub, keys=("title", "description")) if r.schema else r.schema
-        stored.append({"key": r.key, "method": r.method, "message": scrub(r.message), "schema": schema})
+        schema = _redact_strings(r.schema, scrub, keys=SHOWN_SCHEMA_KEYS) if r.schema else r.schema
+        # Stored as jsonb, which sorts keys: the schema keeps its fields' order beside them.
+        stored.append({"key": r.key, "method": r.method, "message": scrub(r.message),
+                       "schema": forms.keeping_order(schema)})
     return stored
 
 
 def tool_result(result: client.ToolResult | None, *, server: client.ServerConfig,
                 handle: str | None = None) -> dict[str, Any]:
-    """What the task keeps of a tool's result: all of it up to 64 KiB; past that a preview, saying so."""
+    """What the task keeps of a tool's result: all of it up to 64 KiB; past that a preview, saying so.
+    Scrubbed of the handle and how to reach the server, not of the server's name (see `redact`)."""
 
     def scrub(text: str) -> str:
-        return redact(text, handle=handle, server=server, limit=None)
+        return redact(text, handle=handle, server=server, limit=None, name=False)
 
     text = scrub(result.text if result else "")
     structured = result.structured if result else None

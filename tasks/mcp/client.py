@@ -6,7 +6,10 @@ beside its other calls, and a synchronous twin (`call_tool`...) for code with no
 agent's tool list, tests). Both run the request on the server's long-lived session (tasks/mcp/sessions.py:
 one per server and process, on a background event loop; for stdio, one server process), which is opened
 on first use and opened again when it breaks: a request that finds its session broken is sent once more
-on a fresh one, if it is safe to repeat or provably was not sent. Each call finishes within the server's
+on a fresh one, if it is safe to repeat or provably was not sent. A message the server writes that is not
+JSON-RPC fails only the call it answers (`MalformedAnswer`), when that can be told (it names the request,
+or one call alone awaits an answer); otherwise it breaks the session, and every call awaiting an answer
+raises `RemoteUnavailable`, not sent again at once. Each call finishes within the server's
 `timeout_s`. Every request declares the `elicitation` capability (a strict server refuses tools that ask
 for input otherwise); questions reach the user through the task (`InputNeeded`, `tasks/get`), never
 in-session. Failures raise one of the `McpError` subclasses below; callers decide retry or failure by type.
@@ -14,6 +17,7 @@ in-session. Failures raise one of the `McpError` subclasses below; callers decid
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -35,6 +39,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from tasks.mcp import sessions
 
+log = logging.getLogger(__name__)
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
 TASK_STATUSES = ("working", "input_required", "completed", "failed", "cancelled")
 _T = TypeVar("_T")
@@ -274,6 +279,10 @@ class _Attempt:
     written: bool = False  # the request went onto the transport, so the server may have it
     refused: bool = False  # http: the connection was refused, so it did not
     http_status: int | None = None  # the last error status, which the SDK folds into one JSON-RPC code
+    scope: anyio.CancelScope | None = None  # the call on its session (None: the session's own opening)
+    done: bool = False  # the call ended; an answer arriving now concerns no call
+    malformed: MalformedAnswer | None = None  # the answer to this call, and only this one, broke the protocol
+    cut_off: bool = False  # a message no request could be matched to broke the session while this call waited
 
 
 _attempt: ContextVar[_Attempt | None] = ContextVar("mcp_attempt", default=None)
@@ -299,21 +308,29 @@ async def _on_session(server: ServerConfig, what: str, body: Callable[[Client], 
                 attempt = _Attempt()
                 _attempt.set(attempt)
                 try:
-                    with session.call():
+                    with session.call() as scope:
+                        attempt.scope = scope
                         return await body(session.client)  # type: ignore[arg-type]
-                    # Only `session.fail` cancels the call's scope: the session broke under it.
+                    # Only a malformed answer to this call (`_InFlight.unreadable`) or `session.fail` cancels
+                    # the call's scope: its answer broke the protocol, or the session broke under it.
+                    if attempt.malformed is not None:
+                        raise attempt.malformed
                     error: BaseException = session.error or RuntimeError("the MCP session closed")
                 except McpError:
                     raise
                 except Exception as exc:  # noqa: BLE001 - classified below; what is not remote is re-raised
                     error = exc
+                finally:
+                    attempt.done = True
                 classified = _classify(server, what, error, attempt.http_status)
                 if classified is None:
                     raise error
                 not_sent = not attempt.written or attempt.refused
                 if _breaks_session(error):
                     session.fail(classified)
-                    if not last_try and (repeatable or not_sent):
+                    # A call cut off by a server that writes garbage is not sent again at once, where the
+                    # garbage would cut off the calls on the next session too: its caller retries later.
+                    if not last_try and not attempt.cut_off and (repeatable or not_sent):
                         continue
                 if not_sent and type(classified) is RemoteUnavailable:
                     raise NotSent(str(classified)) from error
@@ -337,48 +354,155 @@ async def _open(server: ServerConfig, session: sessions.Session[Client]) -> Asyn
     """A connected Client for `server`; runs in the session's runner task."""
     opening = _Attempt()
     _attempt.set(opening)
-
-    async def on_message(message: Any) -> None:
-        if isinstance(message, Exception):  # the transport could not read a message
-            session.fail(_stream_error(server, message))
-
-    client = Client(_WatchedWrites.wrap(_transport(server)), extensions=[_TasksExtension()], cache=None,
-                    elicitation_callback=_decline, message_handler=on_message)
+    in_flight = _InFlight(server, session)
+    client = Client(_watched(_transport(server), in_flight), extensions=[_TasksExtension()], cache=None,
+                    elicitation_callback=_decline)
     try:
         await client.__aenter__()
     except Exception as exc:
         raise _classify(server, "connect", exc, opening.http_status) or exc from exc
+    opening.done = True
     try:
         yield client
     finally:
         await client.__aexit__(None, None, None)
 
 
-def _stream_error(server: ServerConfig, exc: Exception) -> McpError:
-    # The stdio transport hands over a line it could not parse; which request it answered is unknown.
-    if isinstance(exc, ValueError):
-        return MalformedAnswer(f"MCP server {server.name!r}: malformed answer: a message that is not JSON-RPC")
-    return RemoteUnavailable(f"MCP server {server.name!r}: the connection failed: {type(exc).__name__}")
+class _InFlight:
+    """One session's requests still awaiting their answers, by JSON-RPC id, each with the call that sent it;
+    so that a message the transport cannot read fails only the call it answers, when that can be told."""
+
+    def __init__(self, server: ServerConfig, session: sessions.Session[Client]) -> None:
+        self.server = server
+        self.session = session
+        self._waiting: dict[str, _Attempt] = {}
+
+    def sent(self, request_id: Any, attempt: _Attempt) -> None:
+        # Calls that ended unanswered (timed out, cancelled) are forgotten here.
+        self._waiting = {key: a for key, a in self._waiting.items() if not a.done}
+        self._waiting[_id_key(request_id)] = attempt
+
+    def received(self, item: Any) -> None:
+        """Note an incoming message: an answer, or a failure to read one."""
+        if isinstance(item, Exception):
+            self._unreadable(item)
+            return
+        message = getattr(item, "message", None)
+        if isinstance(message, types.JSONRPCResponse | types.JSONRPCError) and message.id is not None:
+            self._waiting.pop(_id_key(message.id), None)
+
+    def _unreadable(self, exc: Exception) -> None:
+        where = f"MCP server {self.server.name!r}"
+        if not isinstance(exc, ValueError):
+            self.session.fail(RemoteUnavailable(f"{where}: the connection failed: {type(exc).__name__}"))
+            return
+        waiting = {key: a for key, a in self._waiting.items() if not a.done}
+        named = _answered_id(exc)
+        if named is not None:
+            owner = waiting.get(named)
+            if owner is None:
+                log.info("%s: a malformed answer to a request no call awaits any more; ignored", where)
+                return
+        elif len({id(a) for a in waiting.values()}) == 1:
+            # Not even JSON, yet a server only answers what it is asked, and one call alone awaits an answer.
+            owner = next(iter(waiting.values()))
+        else:
+            # Any of the waiting calls may have lost its answer, and the stream may be out of step: every call
+            # in flight ends, as after a dropped connection (a transient failure), and the session is replaced.
+            for attempt in waiting.values():
+                attempt.cut_off = True
+            self.session.fail(RemoteUnavailable(f"{where}: the connection failed: a message that is not JSON-RPC "
+                                                 "and cannot be matched to a request"))
+            return
+        self._waiting = {key: a for key, a in self._waiting.items() if a is not owner}
+        malformed = MalformedAnswer(f"{where}: malformed answer: a message that is not JSON-RPC")
+        if owner.scope is None:  # the answer to the session's own opening request
+            self.session.fail(malformed)
+            return
+        owner.malformed = malformed
+        owner.scope.cancel()
+
+
+def _id_key(request_id: Any) -> str:
+    return str(request_id)
+
+
+def _answered_id(exc: ValueError) -> str | None:
+    """The request id a message the transport could not read answers, if it is JSON and names one."""
+    if not isinstance(exc, ValidationError):
+        return None
+    for error in exc.errors():
+        message = error.get("input")
+        # The whole message is the input of the union's "field missing" errors, one level down.
+        if len(error.get("loc") or ()) <= 2 and isinstance(message, dict) and "method" not in message \
+                and ("result" in message or "error" in message):
+            request_id = message.get("id")
+            if isinstance(request_id, int | str) and not isinstance(request_id, bool):
+                return _id_key(request_id)
+    return None
+
+
+@asynccontextmanager
+async def _watched(transport: Any, in_flight: _InFlight) -> AsyncIterator[tuple[Any, Any]]:
+    """The transport's streams, noting what is sent and received in `in_flight`."""
+    async with transport as (read_stream, write_stream):
+        yield _WatchedReads(read_stream, in_flight), _WatchedWrites(write_stream, in_flight)
+
+
+class _WatchedReads:
+    """A transport's read stream that notes each message in `in_flight` before the session sees it."""
+
+    def __init__(self, inner: Any, in_flight: _InFlight) -> None:
+        self.inner = inner
+        self.in_flight = in_flight
+
+    async def receive(self) -> Any:
+        item = await self.inner.receive()
+        self.in_flight.received(item)
+        return item
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return await self.receive()
+        except anyio.EndOfStream:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # e.g. `last_context`, which the SDK reads after each receive
+
+    async def __aenter__(self) -> Self:
+        await self.inner.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> bool | None:
+        return await self.inner.__aexit__(*exc_info)
 
 
 class _WatchedWrites:
-    """A transport's write stream that notes, in the sending request's attempt, that a request went out."""
+    """A transport's write stream that notes, in the sending request's attempt, that a request went out, and
+    in `in_flight` which call awaits its answer."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, in_flight: _InFlight) -> None:
         self.inner = inner
-
-    @staticmethod
-    @asynccontextmanager
-    async def wrap(transport: Any) -> AsyncIterator[tuple[Any, Any]]:
-        async with transport as (read_stream, write_stream):
-            yield read_stream, _WatchedWrites(write_stream)
+        self.in_flight = in_flight
 
     async def send(self, item: Any) -> None:
         attempt = _attempt.get()
-        is_request = isinstance(getattr(item, "message", None), types.JSONRPCRequest)
+        message = getattr(item, "message", None)
+        is_request = isinstance(message, types.JSONRPCRequest)
         written = attempt.written if attempt is not None else False
         if attempt is not None and is_request:
             attempt.written = True  # a send that is interrupted may still have delivered
+            self.in_flight.sent(message.id, attempt)
         try:
             await self.inner.send(item)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):

@@ -20,6 +20,7 @@ from typing import Any, Literal
 FieldType = Literal["text", "number", "integer", "boolean", "choice"]
 ACTIONS = ("accept", "decline", "cancel")
 ORDER_KEY = "x-longhaul-order"  # our own key beside a stored schema: its properties in the order asked
+TEXT_MAX_CHARS = 10_000  # a text field's limit when the schema sets none, as for a text answer
 _TRUE = {"true", "yes", "on", "1"}
 _FALSE = {"false", "no", "off", "0"}
 
@@ -82,8 +83,8 @@ def fields(schema: dict[str, Any] | None) -> list[Field]:
 def keeping_order(schema: dict[str, Any] | None) -> dict[str, Any] | None:
     """The schema as stored: PostgreSQL's jsonb sorts an object's keys, so the properties' order, the order
     a person fills the form in, is kept beside them."""
-    if not schema or not isinstance(schema.get("properties"), dict):
-        return schema
+    if not schema or not isinstance(schema.get("properties"), dict) or ORDER_KEY in schema:
+        return schema  # already kept (read back from the database, its properties are no longer in order)
     return {**schema, ORDER_KEY: list(schema["properties"])}
 
 
@@ -205,8 +206,9 @@ def _value(f: Field, value: Any) -> str | int | float | bool:
         case "text":
             if not isinstance(value, str):
                 raise InvalidAnswer(f"{f.name} must be text", f.name)
-            if f.max_length is not None and len(value) > f.max_length:
-                raise InvalidAnswer(f"{f.name} must be at most {f.max_length} characters", f.name)
+            max_length = f.max_length if f.max_length is not None else TEXT_MAX_CHARS
+            if len(value) > max_length:
+                raise InvalidAnswer(f"{f.name} must be at most {max_length} characters", f.name)
             if f.min_length is not None and len(value) < f.min_length:
                 raise InvalidAnswer(f"{f.name} must be at least {f.min_length} characters", f.name)
             return value

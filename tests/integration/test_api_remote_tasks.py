@@ -178,6 +178,19 @@ def test_text_answers_a_form_of_one_text_field(servers_file, acme, alice, alice_
     assert task.answer == "pdf" and task.answer_data is None and task.status != TaskStatus.WAITING_INPUT
 
 
+def test_a_structured_answer_over_10000_characters_is_refused_naming_the_answer(servers_file, acme, alice,
+                                                                                   alice_api):
+    task = asking(acme, alice, form={"type": "object", "properties": {"summary": {"type": "string"},
+                                                                      "details": {"type": "string"}}})
+    content = {"summary": "s" * 6_000, "details": "d" * 6_000}  # each field fits; together they do not
+    response = alice_api.post(f"/api/tasks/{task.public_id}/answer",
+                              {"answer": {"action": "accept", "content": content}}, format="json")
+    assert response.status_code == 400, response.content
+    assert response.json()["field"] == "answer" and "10000 characters" in response.json()["error"]
+    task.refresh_from_db()
+    assert task.status == TaskStatus.WAITING_INPUT and task.answer_data is None
+
+
 @pytest.mark.parametrize("body", [{"answer": {"action": "maybe"}}, {"answer": ["pdf"]}, {"answer": 5},
                                   {"answer": "   "}, {}])
 def test_a_malformed_answer_is_a_400(servers_file, acme, alice, alice_api, body):

@@ -413,6 +413,94 @@ def test_malformed_answers_are_protocol_errors() -> None:
     assert issubclass(MalformedAnswer, RemoteProtocolError)
 
 
+def until(condition: Any, *, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the condition did not hold in time"
+        time.sleep(0.01)
+
+
+def test_an_unreadable_answer_cuts_the_other_calls_off_as_unavailable_and_the_session_is_replaced(
+        stdio_remote: Remote) -> None:
+    slow = stdio_remote.submit("slow_report", {"topic": "t", "seconds": 60, "get_delay_ms": 8_000})
+    garbled = stdio_remote.submit("malformed_job", {"kind": "invalid_json", "after_s": 0})
+    other = stdio_remote.submit("slow_report", {"topic": "u", "seconds": 60})
+    (first,) = processes_started(stdio_remote.state_dir)
+
+    async def both() -> list[Any]:
+        polling = asyncio.ensure_future(get_task_async(stdio_remote.config, slow.task_id))
+        # The slow poll is with the server before the other call is sent, so two calls are in flight.
+        await asyncio.to_thread(until, lambda: stdio_remote.calls().get("tasks/get", 0) == 1)
+        return await asyncio.gather(polling, get_task_async(stdio_remote.config, garbled.task_id),
+                                    return_exceptions=True)
+
+    slow_outcome, garbled_outcome = asyncio.run(both())
+
+    # A line that is not JSON names no request: neither call is told its answer broke the protocol.
+    assert type(slow_outcome) is RemoteUnavailable, slow_outcome
+    assert type(garbled_outcome) is RemoteUnavailable, garbled_outcome
+    assert get_task(stdio_remote.config, other.task_id).status == "working"
+    assert processes_started(stdio_remote.state_dir)[0] == first
+    assert len(processes_started(stdio_remote.state_dir)) == 2, "the broken session is replaced"
+    # Cut off mid-call, neither poll is repeated in place: their callers retry later.
+    assert stdio_remote.calls()["tasks/get"] == 3
+
+
+# A stdio MCP server that holds the tasks/get of "bad" and "good" until both have arrived, then answers
+# "bad" with a JSON-RPC response of the wrong shape (a result that is not an object) and, a moment
+# later, "good" properly. Everything else is answered at once. Each start is logged in starts.log.
+TWO_ANSWERS_SERVER = """
+import json, sys, time
+from pathlib import Path
+
+Path(sys.argv[1], "starts.log").open("a").write("started\\n")
+held = {}
+
+def answer(request, result):
+    sys.stdout.write(json.dumps({"jsonrpc": "2.0", "id": request["id"], "result": result}) + "\\n")
+    sys.stdout.flush()
+
+while line := sys.stdin.readline():
+    request = json.loads(line)
+    if "id" not in request or "method" not in request:
+        continue
+    if request["method"] == "initialize":
+        answer(request, {"protocolVersion": request["params"]["protocolVersion"], "capabilities": {},
+                         "serverInfo": {"name": "two-answers", "version": "1"}})
+        continue
+    task_id = (request.get("params") or {}).get("taskId")
+    if request["method"] == "tasks/get" and task_id in ("bad", "good"):
+        held[task_id] = request
+        if len(held) == 2:
+            answer(held.pop("bad"), 5)
+            time.sleep(0.3)
+            answer(held.pop("good"), {"resultType": "complete", "taskId": "good", "status": "working"})
+        continue
+    answer(request, {"resultType": "complete", "taskId": task_id or "x", "status": "working"})
+"""
+
+
+def test_a_malformed_answer_that_names_its_request_fails_that_call_alone(tmp_path: Path) -> None:
+    script = tmp_path / "two_answers.py"
+    script.write_text(TWO_ANSWERS_SERVER)
+    server = ServerConfig(name="two-answers", transport="stdio", command=(sys.executable, str(script), str(tmp_path)),
+                          timeout_s=10)
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(get_task_async(server, "bad"), get_task_async(server, "good"),
+                                    return_exceptions=True)
+
+    try:
+        bad, good = asyncio.run(both())
+
+        assert isinstance(bad, MalformedAnswer), bad
+        assert isinstance(good, RemoteTask) and (good.task_id, good.status) == ("good", "working"), good
+        assert get_task(server, "later").status == "working"
+        assert (tmp_path / "starts.log").read_text().count("started") == 1, "the session is kept"
+    finally:
+        sessions.close_all()
+
+
 # --- the fake's other edges, which the driver's tests rely on ------------------------------------
 
 

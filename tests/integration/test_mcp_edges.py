@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import itertools
 import json
-from datetime import timedelta
+from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
 import time_machine
 
 from tasks import actions, clock
-from tasks.drivers.mcp import ALREADY_TRACKED
+from tasks.budgets import Budget
+from tasks.drivers.mcp import ALREADY_TRACKED, POLL_CEILING
+from tasks.errors import InvalidInput
 from tasks.mcp import calls as mcp_calls
-from tasks.mcp import client
-from tasks.models import Operation, Task, TaskEvent
+from tasks.mcp import client, forms
+from tasks.models import Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import ErrorClass, OperationStatus, TaskStatus
 from tests.fakes.mcp_task_server import DETAILS_SCHEMA, MALFORMED_KINDS, SERVER_INTERNAL, SERVER_NAME
 from tests.integration import test_mcp_tasks as base
@@ -33,6 +36,25 @@ def asking(task: Task) -> bool:
 def tracked(task: Task) -> bool:
     """The remote task's handle is stored, and its first poll requested."""
     return task.remote_handle is not None or ended(task)
+
+
+def watches(task: Task) -> list[Operation]:
+    """The task's watch calls (tasks/get while its owner is asked), in the order they were requested."""
+    return list(Operation.objects.filter(task=task, key__contains=":w").order_by("id"))
+
+
+def follow_polls(task: Task, traveller, *, until) -> Task:
+    """Follow a task whose server asks for slow polls, moving the clock to each poll when the task waits for it."""
+    def later_call(t: Task) -> Operation | None:
+        if t.status != TaskStatus.RUNNING or t.next_run_at is not None:
+            return None
+        return Operation.objects.filter(task=t, status=OperationStatus.PENDING, not_before__gt=clock.now()).first()
+
+    task = follow(task, until=lambda t: until(t) or later_call(t) is not None)
+    while not until(task):
+        traveller.shift(later_call(task).not_before - clock.now() + timedelta(seconds=1))
+        task = follow(task, until=lambda t: until(t) or later_call(t) is not None)
+    return task
 
 
 def polls(task: Task) -> list[Operation]:
@@ -78,7 +100,7 @@ def test_an_answered_question_is_neither_asked_nor_answered_twice(remote, acme, 
 def test_a_question_with_several_fields_is_answered_with_content_that_fits_its_schema(remote, acme, alice):
     task = follow(submit(acme, alice, "ask_many"), until=asking)
     assert task.status == TaskStatus.WAITING_INPUT, (task.status, task.error_message)
-    assert task.question_form == DETAILS_SCHEMA
+    assert task.question_form == forms.keeping_order(DETAILS_SCHEMA), "stored with the order its fields were asked in"
     actions.answer(task, user=alice, data={"action": "accept", "content": {
         "title": "Q3 figures", "copies": "3", "urgent": "yes", "format": "pdf"}})
     task = follow(task, until=asking)
@@ -147,6 +169,41 @@ def test_a_remote_task_that_moves_on_while_its_question_waits_withdraws_the_ques
     assert events.index("input_required") < events.index("question_withdrawn") < events.index("cancelled")
 
 
+def test_a_question_survives_a_pause_and_is_asked_again_without_a_poll_error(remote, acme, alice):
+    """A pause closes the pending watch ("cancelled"): that says nothing of the remote task, so the question
+    is asked again as it was, no poll error stored and none counted."""
+    task = follow(submit(acme, alice, "approval_job", seconds=0.3), until=asking)
+    assert task.status == TaskStatus.WAITING_INPUT
+    polled = len(polls(task))
+    task = follow(actions.request_pause(task, user=alice), until=lambda t: t.status == TaskStatus.PAUSED)
+    watch, = watches(task)
+    assert (watch.status, watch.error_class) == (OperationStatus.FAILED, "cancelled")
+    task = follow(actions.resume(task, user=alice), until=lambda t: asking(t) and t.current_step > task.current_step)
+    assert task.status == TaskStatus.WAITING_INPUT, (task.status, task.error_message)
+    assert task.remote_poll_error == "" and not task.tracking_degraded
+    assert len(polls(task)) == polled, "asked again at once: no poll in between"
+    state = Checkpoint.objects.filter(task=task).order_by("-step").first().state
+    assert state["errors"] == 0 and state["asking"] is not None
+    actions.answer(task, user=alice, text="markdown")
+    assert follow(task).status == TaskStatus.SUCCEEDED
+
+
+def test_a_watch_follows_a_server_interval_longer_than_a_minute(remote, acme, alice):
+    task = submit(acme, alice, "approval_job", seconds=0.3, poll_ms=120_000)
+    with time_machine.travel(clock.now(), tick=True) as traveller:
+        task = follow_polls(task, traveller, until=asking)
+        assert task.status == TaskStatus.WAITING_INPUT, (task.status, task.error_message)
+        first, = watches(task)
+        assert first.not_before - first.created_at > timedelta(seconds=110), "the first watch already waits so long"
+        traveller.shift(first.not_before - clock.now() + timedelta(seconds=1))
+        task = follow(task, until=lambda t: len(watches(t)) == 2 or ended(t))
+        done, again = watches(task)
+        assert task.status == TaskStatus.WAITING_INPUT and again.status == OperationStatus.PENDING
+        assert again.not_before >= done.finished_at + timedelta(seconds=120), "not sooner than the server asks"
+        actions.request_cancel(task, user=alice)
+        assert follow(task).status == TaskStatus.CANCELLED
+
+
 # --- redaction ------------------------------------------------------------------------------------
 
 
@@ -208,6 +265,17 @@ def test_no_poll_is_due_after_the_tasks_deadline(remote, acme, alice):
     task = follow(task, timeout=20)
     assert task.status == TaskStatus.FAILED and task.error_class == ErrorClass.BUDGET_EXHAUSTED
     assert remote.calls().get("tasks/cancel") == 1
+
+
+def test_a_huge_finite_poll_interval_is_clamped_to_a_day(remote, acme, alice):
+    task = follow(submit(acme, alice, "slow_report", topic="t", seconds=600, poll_ms=10**17), until=tracked)
+    assert task.status == TaskStatus.RUNNING, (task.status, task.error_message)
+    submitted = Operation.objects.get(task=task, name="tools/call")
+    deadline = task.started_at + timedelta(seconds=Budget.of(task.budget).max_wall_seconds)
+    poll = Operation.objects.get(task=task, name="tasks/get")
+    assert poll.not_before == min(submitted.finished_at + POLL_CEILING, deadline)
+    actions.request_cancel(task, user=alice)
+    assert follow(task).status == TaskStatus.CANCELLED
 
 
 def test_poll_errors_back_off_from_each_failures_completion(remote, acme, alice, settings):
@@ -290,6 +358,15 @@ def test_a_handle_the_owner_already_tracks_is_refused_and_the_first_task_goes_on
     assert remote.calls().get("tasks/cancel", 0) == 0
 
 
+def test_a_handle_tracked_by_a_task_that_ended_may_be_tracked_again(remote, acme, alice):
+    """Servers that reuse ids: only a task still active holds its handle."""
+    first = follow(submit(acme, alice, "handle_job", task_id="reused-job-1", seconds=0.3))
+    assert first.status == TaskStatus.SUCCEEDED, (first.status, first.error_message)
+    second = follow(submit(acme, alice, "handle_job", task_id="reused-job-1", seconds=0.3))
+    assert second.status == TaskStatus.SUCCEEDED, (second.status, second.error_message)
+    assert first.remote_handle == second.remote_handle == "reused-job-1"
+
+
 # --- cancelling ---------------------------------------------------------------------------------------
 
 
@@ -330,13 +407,78 @@ def test_a_cancel_the_server_never_accepts_ends_unconfirmed_saying_how_often_it_
     assert unconfirmed.data["attempts"] == tried
     for word in [remote_id(task), *internals(remote)]:
         assert word not in task.remote_cancel_error
+    started = Checkpoint.objects.filter(task=task).order_by("-step").first().state["cancel_started"]
+    window_ends = datetime.fromisoformat(started) + timedelta(seconds=0.8)
     cancels = list(Operation.objects.filter(task=task, name="tasks/cancel").order_by("finished_at"))
     for failed, (before, after) in enumerate(itertools.pairwise(cancels), start=1):
         delay = min(0.1 * 2 ** (failed - 1), settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS)
-        assert after.not_before == before.finished_at + timedelta(seconds=delay), "backs off from the failure"
+        assert after.not_before == min(before.finished_at + timedelta(seconds=delay), window_ends), \
+            "backs off from the failure, within the window"
+
+
+def test_confirming_polls_never_outlast_the_cancel_window(remote, acme, alice, settings):
+    """A server asking to be polled hourly: the polls that wait for the cancel to show still end in time."""
+    settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = 60
+    task = follow(submit(acme, alice, "stubborn_job", seconds=7200, poll_ms=3_600_000), until=tracked)
+    actions.request_cancel(task, user=alice)
+    confirming = Operation.objects.filter(task=task, name="tasks/get", created_at__gte=task.created_at)
+    task = follow(task, until=lambda t: ended(t) or confirming.filter(
+        status=OperationStatus.PENDING, not_before__isnull=False, created_at__gte=t.cancel_requested_at).exists())
+    assert task.remote_cancel_attempts == 1 and remote.calls().get("tasks/cancel") == 1
+    started = Checkpoint.objects.filter(task=task).order_by("-step").first().state["cancel_started"]
+    window_ends = datetime.fromisoformat(started) + timedelta(seconds=60)
+    last = confirming.filter(status=OperationStatus.PENDING, created_at__gte=task.cancel_requested_at).latest("id")
+    assert last.not_before <= window_ends, (last.not_before, window_ends)
+    with time_machine.travel(last.not_before + timedelta(seconds=1), tick=True):
+        task = follow(task)
+    assert task.status == TaskStatus.CANCELLED
+    assert TaskEvent.objects.filter(task=task, kind="remote_cancel_unconfirmed").exists()
+
+
+def test_failed_cancel_attempts_do_not_flag_tracking_degraded(remote, acme, alice, settings):
+    settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = 60
+    task = follow(submit(acme, alice, "stubborn_job", seconds=30, cancel_failures=1_000), until=tracked)
+    actions.request_cancel(task, user=alice)
+    task = follow(task, until=lambda t: t.remote_cancel_attempts >= 4 or ended(t))
+    assert task.remote_cancel_attempts >= 4 and "did not answer" in task.remote_cancel_error
+    assert not task.tracking_degraded
+    assert "tracking_degraded" not in kinds(task)
+    with time_machine.travel(clock.now() + timedelta(seconds=61), tick=True):
+        task = follow(task)
+    assert task.status == TaskStatus.CANCELLED and not task.tracking_degraded
+    assert "tracking_degraded" not in kinds(task)
+
+
+# --- input ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def titled(http_remote, settings):
+    """The test server, shown to users as "Tool Works"."""
+    path = Path(settings.LONGHAUL_MCP_SERVERS)
+    servers = json.loads(path.read_text())
+    servers["servers"][SERVER_NAME]["title"] = "Tool Works"
+    path.write_text(json.dumps(servers))
+    return http_remote
+
+
+@pytest.mark.parametrize("typed", ["Tool Works", "tool works", SERVER_NAME])
+def test_a_server_is_named_by_its_title_or_its_configured_name_and_stored_by_its_name(titled, acme, alice, typed):
+    task, _ = actions.submit(tenant=acme, user=alice, submission=actions.Submission(
+        kind="mcp", name="by title", input={"server": typed, "tool": "quick_echo", "arguments": {"text": "hi"}}))
+    assert task.input["server"] == SERVER_NAME
+    assert follow(task).status == TaskStatus.SUCCEEDED
+
+
+def test_an_unknown_server_is_refused_naming_only_titles(titled, acme, alice):
+    with pytest.raises(InvalidInput) as refused:
+        actions.submit(tenant=acme, user=alice, submission=actions.Submission(
+            kind="mcp", name="nope", input={"server": "nope", "tool": "quick_echo", "arguments": {}}))
+    assert "Tool Works" in str(refused.value)
+    assert SERVER_NAME not in str(refused.value).replace("Tool Works", "")
 
 
 def test_redaction_leaves_other_words_alone():
     """Only whole tokens go: a server named "tools" leaves "toolset" and "my-tools-2" as they are."""
-    text = mcp_calls.redact("tools: toolset, my-tools-2, abc123 and xabc123", handle="abc123", server="tools")
-    assert text == "[server]: toolset, my-tools-2, [remote task] and xabc123"
+    text = mcp_calls.redact("tools: toolset, my-tools-2, abc12345 and xabc12345", handle="abc12345", server="tools")
+    assert text == "[server]: toolset, my-tools-2, [remote task] and xabc12345"

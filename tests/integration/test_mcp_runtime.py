@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import pytest
 import time_machine
-from django.db import connection, transaction
+from django.db import OperationalError, connection, connections, transaction
 
 from tasks import actions, clock, drain, drivers, jobs, liveness, operations, transitions
 from tasks.drivers import Ask, Continue, Finish, OpRequest, RemoteFacts
@@ -213,6 +213,18 @@ def test_it_refuses_a_remote_task_the_same_owner_already_tracks_on_that_server(a
     assert other_owner.remote_handle == other_server.remote_handle == "remote-dup"
 
 
+def test_a_remote_task_tracked_by_a_task_that_ended_may_be_tracked_again(acme, alice):
+    """Servers reuse ids: a task that ended no longer holds its handle; an active one does."""
+    facts = {"handle": "remote-reused", "server": "reports"}
+    first = follow(submit(acme, alice, [{"do": "continue", "remote": facts}], kind=RemoteProbe.kind))
+    assert first.status == TaskStatus.SUCCEEDED and first.remote_handle == "remote-reused"
+    second = follow(submit(acme, alice, [{"do": "continue", "remote": facts}, {"do": "ask"}], kind=RemoteProbe.kind),
+                    until=lambda t: waiting_input(t) or t.status in TERMINAL)
+    assert second.status == TaskStatus.WAITING_INPUT and second.remote_handle == "remote-reused"
+    third = follow(submit(acme, alice, [{"do": "continue", "remote": facts}], kind=RemoteProbe.kind))
+    assert (third.status, third.error_message) == (TaskStatus.FAILED, ALREADY_TRACKED), "the second one is active"
+
+
 # --- questions with forms ----------------------------------------------------------------------
 
 
@@ -301,6 +313,23 @@ def test_a_watch_that_could_not_reach_its_server_leaves_the_question_standing(ac
     assert Probe.watched == [], "a failed call is not the driver's to judge"
 
 
+def test_a_watch_that_failed_otherwise_leaves_the_question_standing(acme, alice, settings):
+    """A watch that died with its gateway jobs (poison), like a 401 or an internal error, says nothing about
+    the question: it stands and is watched again later."""
+    task = follow(submit(acme, alice, [{"do": "ask", "watch": SEARCH}]), until=waiting_input, settle=False)
+    watch, = watches(task)
+    Operation.objects.filter(pk=watch.pk).update(status=OperationStatus.STARTED, lease_owner="dead-worker",
+                                                 attempts=settings.LONGHAUL_MAX_ATTEMPTS,
+                                                 lease_expires_at=clock.now() - timedelta(seconds=1))
+    assert operations.settle_lost_calls(now=clock.now()) == 1
+    task.refresh_from_db()
+    assert task.status == TaskStatus.WAITING_INPUT and task.question == "How many copies?"
+    failed, again = watches(task)
+    assert failed.error_class == "poison" and again.status == OperationStatus.PENDING
+    assert again.not_before >= failed.finished_at + operations.WATCH_AGAIN_AFTER
+    assert "question_withdrawn" not in kinds(task) and Probe.watched == []
+
+
 def test_a_watch_left_behind_by_a_task_that_moved_on_is_closed_by_the_sweep(acme, alice, settings):
     task = follow(submit(acme, alice, [{"do": "ask", "watch": SEARCH}]), until=waiting_input, settle=False)
     watch, = watches(task)
@@ -382,6 +411,34 @@ def test_a_failed_compensation_is_logged_beside_the_original_error(remote, acme,
     assert calls(remote).get("tasks/cancel") == 1, "one attempt, not a retry loop"
     assert "cancelling the unrecorded remote task failed too" in caplog.text
     assert "could not extend file (test)" in caplog.text
+
+
+@pytest.fixture
+def database_gone_while_compensating(monkeypatch) -> Iterator[None]:
+    """While a gateway job compensates for an unrecorded tools/call, the database answers nothing at all."""
+    compensate = operations._compensate
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise OperationalError("the database is gone (test)")
+
+    async def without_database(*args: Any, **kwargs: Any) -> None:
+        with monkeypatch.context() as gone:
+            gone.setattr(type(connections["default"]), "_cursor", refuse)
+            await compensate(*args, **kwargs)
+
+    monkeypatch.setattr(operations, "_compensate", without_database)
+    yield
+
+
+def test_a_remote_task_is_cancelled_once_even_when_the_database_answers_nothing_any_more(
+        remote, acme, alice, unrecordable_tool_calls, database_gone_while_compensating, caplog):
+    task = submit(acme, alice, [{"do": "continue", "requests": [_tool_call("slow_report", topic="t", seconds=30)]}])
+    with caplog.at_level(logging.ERROR, logger="tasks.operations"):
+        op = _run_the_call(task)
+    assert op.status == OperationStatus.STARTED, "the outcome was never recorded"
+    assert calls(remote).get("tasks/cancel") == 1
+    assert "could not extend file (test)" in caplog.text
+    assert "failed too" not in caplog.text
 
 
 def test_a_recorded_tool_call_is_not_cancelled(remote, acme, alice):

@@ -198,3 +198,17 @@ def test_a_stored_schema_keeps_its_fields_in_the_order_asked() -> None:
     assert forms.response(reread, {"action": "accept", "content": {"title": "t", "copies": 1}})["content"] == {
         "title": "t", "copies": 1}
     assert forms.keeping_order(None) is None
+
+
+def test_a_text_field_without_max_length_takes_at_most_10000_characters() -> None:
+    assert forms.response(ONE_STRING, accept({"format": "x" * 10_000})) == accept({"format": "x" * 10_000})
+    for answer in (accept({"format": "x" * 10_001}), "x" * 10_001):
+        with pytest.raises(InvalidAnswer, match="format must be at most 10000 characters") as raised:
+            forms.response(ONE_STRING, answer)
+        assert raised.value.field == "format"
+
+
+def test_a_text_fields_own_max_length_is_its_limit() -> None:
+    schema = {"type": "object", "properties": {"note": {"type": "string", "maxLength": 20_000}}}
+
+    assert forms.response(schema, accept({"note": "x" * 15_000})) == accept({"note": "x" * 15_000})
