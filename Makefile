@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
+# Development mode: tracebacks, a generated secret key under var/, the debug task kinds. Both default off.
+run: export DEBUG ?= 1
+run: export LONGHAUL_DEBUG_DRIVERS ?= 1
 run: venv
 	mkdir -p var
 	bin/ensure-gettext

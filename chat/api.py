@@ -63,7 +63,7 @@ def panel_tasks(thread: Thread, *, limit: int = PANEL_LIMIT) -> list[Task]:
 
 
 class ThreadList(APIView):
-    @extend_schema(responses={200: ThreadPageSerializer, 401: ERRORS[401], 403: ERRORS[403]})
+    @extend_schema(operation_id="threads_list", responses={200: ThreadPageSerializer, 401: ERRORS[401], 403: ERRORS[403]})
     def get(self, request: Request) -> Response:
         threads = owned_threads(request).order_by("-updated_at")[:200]
         return Response({"results": ThreadSerializer(threads, many=True).data})

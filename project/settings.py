@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from datetime import timedelta
 from pathlib import Path
@@ -14,7 +15,9 @@ from project.env import database_from_url, envbool, envfloat, envint, envlist, e
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(envstr("LONGHAUL_VAR_DIR", str(BASE_DIR / "var")))
 
-DEBUG = envbool("DEBUG", True)
+# Off unless asked for: a deployment that forgets the variable must not show tracebacks with its settings,
+# send cookies without Secure, or serve the debug task kinds. `make run` and the test suite set DEBUG=1.
+DEBUG = envbool("DEBUG", False)
 
 
 def _secret_key() -> str:
@@ -22,7 +25,8 @@ def _secret_key() -> str:
     if key:
         return key
     if not DEBUG:
-        raise ImproperlyConfigured("SECRET_KEY must be set when DEBUG=0")
+        raise ImproperlyConfigured("SECRET_KEY must be set; on a development machine set DEBUG=1 instead, "
+                                   "which keeps a generated key in var/")
     # Development: one key generated on first start and kept, so sessions survive restarts.
     path = VAR_DIR / "secret_key"
     if not path.exists():
@@ -165,6 +169,18 @@ USE_TZ = True
 
 SESSION_COOKIE_SECURE = envbool("SESSION_COOKIE_SECURE", not DEBUG)
 CSRF_COOKIE_SECURE = envbool("CSRF_COOKIE_SECURE", not DEBUG)
+# Served over TLS (README "Production"): redirect plain HTTP and send HSTS. Behind a proxy that ends TLS,
+# LONGHAUL_TLS_PROXY_HEADER names the header it sets to "https" (e.g. X-Forwarded-Proto); only set it when
+# the proxy always sets or strips that header, or a client could claim a secure request.
+SECURE_SSL_REDIRECT = envbool("SECURE_SSL_REDIRECT", False)
+SECURE_HSTS_SECONDS = envint("SECURE_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = envbool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = envbool("SECURE_HSTS_PRELOAD", False)
+_TLS_PROXY_HEADER = envstr("LONGHAUL_TLS_PROXY_HEADER")
+if _TLS_PROXY_HEADER:
+    if not re.fullmatch(r"[A-Za-z0-9-]+", _TLS_PROXY_HEADER):
+        raise ImproperlyConfigured("LONGHAUL_TLS_PROXY_HEADER must be a header name such as X-Forwarded-Proto")
+    SECURE_PROXY_SSL_HEADER = ("HTTP_" + _TLS_PROXY_HEADER.upper().replace("-", "_"), "https")
 SESSION_COOKIE_HTTPONLY = True
 X_FRAME_OPTIONS = "DENY"
 # Referrer-Policy "same-origin" and X-Content-Type-Options "nosniff" are SecurityMiddleware's defaults.
@@ -239,7 +255,8 @@ Q_CLUSTER = {
 
 # --- The runtime ----------------------------------------------------------------
 LONGHAUL_CODE_VERSION = envstr("LONGHAUL_CODE_VERSION", "0.1.0")
-LONGHAUL_DEBUG_DRIVERS = envbool("LONGHAUL_DEBUG_DRIVERS", DEBUG)
+# The debug task kinds (sleep: waits, fails and crashes on request) only when asked for, never implied by DEBUG.
+LONGHAUL_DEBUG_DRIVERS = envbool("LONGHAUL_DEBUG_DRIVERS", False)
 LONGHAUL_LEASE_SECONDS = envfloat("LONGHAUL_LEASE_SECONDS", 30.0, minimum=0.5)
 LONGHAUL_MAX_ATTEMPTS = envint("LONGHAUL_MAX_ATTEMPTS", 5, minimum=1)
 LONGHAUL_RETRY_BASE_SECONDS = envfloat("LONGHAUL_RETRY_BASE_SECONDS", 1.0, minimum=0.0)

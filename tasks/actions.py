@@ -42,12 +42,15 @@ class Submission:
     priority: int = 0
     thread_id: int | None = None
     idempotency_key: str | None = None
+    # True only for code in this process (tests, drills), never for a request or a model's tool call:
+    # only then does the debug driver accept a fault that kills the worker process.
+    internal: bool = False
 
 
 def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, bool]:
     """Create a task, or return the one this idempotency key already made. (task, created)."""
     driver = get_driver(submission.kind)
-    task_input = driver.validate_input(submission.input, tenant=tenant)
+    task_input = driver.validate_input(submission.input, tenant=tenant, internal=submission.internal)
     budget = Budget.parse(submission.budget)
     name = (submission.name or "").strip() or f"{submission.kind} task"
     if len(name) > MAX_NAME:

@@ -30,6 +30,6 @@ def submit_sleep(tenant: Tenant, owner: User, *, key: str | None = None, thread_
     task, _ = actions.submit(
         tenant=tenant, user=owner,
         submission=actions.Submission(kind="sleep", input={"steps": 3, **spec}, idempotency_key=key,
-                                      thread_id=thread_id),
+                                      thread_id=thread_id, internal=True),
     )
     return task

@@ -55,7 +55,7 @@ DeliveryList = inline_serializer(name="WebhookDeliveryList", fields={"results": 
 
 
 class WebhookListCreate(APIView):
-    @extend_schema(responses={200: EndpointList, 401: ERRORS[401], 403: ERRORS[403]})
+    @extend_schema(operation_id="webhooks_list", responses={200: EndpointList, 401: ERRORS[401], 403: ERRORS[403]})
     def get(self, request: Request) -> Response:
         """The webhook endpoints the caller may see (their secrets are never shown again)."""
         return Response({"results": EndpointSerializer(visible_endpoints(request), many=True).data})

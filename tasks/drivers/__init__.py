@@ -97,7 +97,8 @@ class Driver(Protocol):
     schema_version: ClassVar[int]
     debug_only: ClassVar[bool]
 
-    def validate_input(self, raw: Any, *, tenant: Tenant | None = None) -> dict[str, Any]: ...
+    def validate_input(self, raw: Any, *, tenant: Tenant | None = None, internal: bool = False) -> dict[str, Any]:
+        """The stored input, or InvalidInput naming the field. `internal`: see actions.Submission."""
 
     def initial_state(self, task_input: dict[str, Any]) -> dict[str, Any]: ...
 

@@ -90,7 +90,7 @@ class McpDriver:
 
     # --- input ------------------------------------------------------------------------
 
-    def validate_input(self, raw: Any, *, tenant: Tenant | None = None) -> dict[str, Any]:
+    def validate_input(self, raw: Any, *, tenant: Tenant | None = None, internal: bool = False) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise InvalidInput("input must be an object with server, tool and arguments", field="input")
         unknown = sorted(set(raw) - {"server", "tool", "arguments"})

@@ -44,7 +44,7 @@ class ResearchDriver:
 
     # --- input ---------------------------------------------------------------------
 
-    def validate_input(self, raw: Any, *, tenant: Any = None) -> dict[str, Any]:
+    def validate_input(self, raw: Any, *, tenant: Any = None, internal: bool = False) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise InvalidInput("input must be an object", field="input")
         unknown = sorted(set(raw) - {"question", "constraints", "max_sources", "depth"})

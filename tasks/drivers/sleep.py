@@ -40,7 +40,7 @@ class SleepDriver:
     schema_version: ClassVar[int] = 1
     debug_only: ClassVar[bool] = True
 
-    def validate_input(self, raw: Any, *, tenant: Any = None) -> dict[str, Any]:
+    def validate_input(self, raw: Any, *, tenant: Any = None, internal: bool = False) -> dict[str, Any]:
         if not isinstance(raw, dict):
             raise InvalidInput("input must be an object", field="input")
         known = {"steps", "step_seconds", "fail_at_step", "fail_kind", "fail_times", "side_effect", "ask_at_step",
@@ -56,6 +56,10 @@ class SleepDriver:
         fail_kind = raw.get("fail_kind", "transient" if fail_at else None)
         if fail_kind is not None and fail_kind not in FAIL_KINDS:
             raise InvalidInput(f"input.fail_kind must be one of {', '.join(FAIL_KINDS)}", field="input.fail_kind")
+        if fail_kind == "crash" and not internal:
+            # A crash kills the worker process and every task step in it: a fault drill's tool, never a user's.
+            raise InvalidInput("input.fail_kind \"crash\" is only for fault drills run from code, not requests",
+                               field="input.fail_kind")
         side_effect = raw.get("side_effect", False)
         if not isinstance(side_effect, bool):
             raise InvalidInput("input.side_effect must be true or false", field="input.side_effect")
