@@ -24,6 +24,7 @@ from chat.serializers import (
     ThreadWriteSerializer,
 )
 from project.api_errors import ApiError, get_by_public_id
+from project.throttles import MessageThrottle, ThreadThrottle
 from tasks.api import (
     CURSOR,
     ERRORS,
@@ -63,6 +64,8 @@ def panel_tasks(thread: Thread, *, limit: int = PANEL_LIMIT) -> list[Task]:
 
 
 class ThreadList(APIView):
+    throttle_classes = (ThreadThrottle,)  # POST only
+
     @extend_schema(operation_id="threads_list", responses={200: ThreadPageSerializer, 401: ERRORS[401], 403: ERRORS[403]})
     def get(self, request: Request) -> Response:
         threads = owned_threads(request).order_by("-updated_at")[:200]
@@ -100,6 +103,8 @@ class ThreadDetail(APIView):
 
 
 class ThreadMessages(APIView):
+    throttle_classes = (MessageThrottle,)  # POST only
+
     @extend_schema(parameters=[THREAD_ID, OpenApiParameter("after", CURSOR),
                                OpenApiParameter("limit", {"type": "integer", "minimum": 1,
                                                           "maximum": MAX_MESSAGES_PAGE})],

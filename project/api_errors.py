@@ -5,6 +5,7 @@ Raised from anywhere as an ApiError or a runtime error, rendered here.
 
 from __future__ import annotations
 
+import math
 import uuid
 from typing import Any, TypeVar
 
@@ -98,7 +99,7 @@ def render_api_error(exc: Exception, context: dict[str, Any]) -> Response | None
         codes = exc.get_codes()
         code = codes if isinstance(codes, str) else "error"
         response = Response(_body(str(exc.detail), code), status=exc.status_code)
-        if isinstance(exc, exceptions.Throttled) and exc.wait:
-            response["Retry-After"] = str(int(exc.wait))
+        if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
+            response["Retry-After"] = str(max(1, math.ceil(exc.wait)))  # whole seconds, never "now"
         return response
     return None

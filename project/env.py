@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -52,6 +53,30 @@ def envfloat(name: str, default: float, *, minimum: float | None = None) -> floa
     if minimum is not None and value < minimum:
         raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
     return value
+
+
+# A rate's period words, as DRF's throttles spell them, in seconds.
+_RATE_PERIODS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60,
+                 "h": 3600, "hour": 3600, "d": 86400, "day": 86400}
+
+
+def parse_rate(text: str) -> tuple[int, int] | None:
+    """A rate such as "60/min" as (requests, seconds); "off" is None, no limit. ValueError for anything else."""
+    value = text.strip().lower()
+    if value == "off":
+        return None
+    match = re.fullmatch(r"(\d+)\s*/\s*([a-z]+)", value, re.ASCII)
+    if match is None or int(match[1]) < 1 or match[2] not in _RATE_PERIODS:
+        raise ValueError(f"{text!r} is not a count of at least 1, then /s, /min, /hour or /day")
+    return int(match[1]), _RATE_PERIODS[match[2]]
+
+
+def envrate(name: str, default: str) -> tuple[int, int] | None:
+    raw = os.environ.get(name)
+    try:
+        return parse_rate(default if raw is None or raw.strip() == "" else raw)
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"{name} must be a rate such as 60/min, or off: {exc}") from None
 
 
 def envlist(name: str, default: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from rest_framework.views import APIView
 
 from project.api_errors import ApiError, get_by_public_id
 from project.env import envbool
+from project.throttles import AnswerThrottle, SubmitThrottle
 from tasks import actions, tenancy
 from tasks.gateway import configured
 from tasks.mcp import config as mcp_config
@@ -145,6 +146,7 @@ class Features(APIView):
 
 class TaskListCreate(generics.ListAPIView):
     serializer_class = TaskSerializer
+    throttle_classes = (SubmitThrottle,)  # POST only
     pagination_class = TaskPagination
 
     def get_queryset(self) -> QuerySet[Task]:
@@ -298,6 +300,7 @@ class TaskResume(TaskCommand):
 @_command_schema(AnswerSerializer)
 class TaskAnswer(TaskCommand):
     body = AnswerSerializer
+    throttle_classes = (AnswerThrottle,)
 
     def perform(self, task: Task, user: Any, data: dict[str, Any]) -> Task:
         answer = data["answer"]

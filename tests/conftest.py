@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from django.contrib.auth.models import User
 from rest_framework.authtoken.models import Token
@@ -16,6 +18,10 @@ def _test_settings(settings):
     # Hashing a password the real way costs ~0.3 s a user; tests make many users.
     # Suites whose child processes verify passwords (e2e) put the real hashers back.
     settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    # A cache of each test's own: no test meets another's request throttle counts (project/throttles.py),
+    # which SQLite's reused primary keys would otherwise share between tests.
+    settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+                                   "LOCATION": f"test-{uuid.uuid4()}"}}
 
 
 @pytest.fixture
