@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from django.conf import settings
 from django.contrib.auth.forms import AuthenticationForm
 from django.db import connection
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -37,12 +35,13 @@ def server_error(request: HttpRequest) -> HttpResponse:
 
 def sign_in_locked_out(request: HttpRequest, original_response: HttpResponse | None = None,
                        credentials: dict[str, Any] | None = None) -> HttpResponse:
-    """django-axes lockout response: the sign-in page again, saying why and for how long (429)."""
-    minutes = math.ceil(settings.LONGHAUL_LOGIN_LOCKOUT_SECONDS / 60)
-    username = (credentials or {}).get("username") or request.POST.get("username", "")
-    form = AuthenticationForm(request, initial={"username": username})
+    """django-axes lockout response: the sign-in page again, saying how long to wait (429, Retry-After)."""
+    # Set by project.sign_in_backoff; axes' async middleware passes the credentials in the wrong argument,
+    # so nothing here relies on them.
+    wait = getattr(request, "sign_in_wait_seconds", 1)
+    form = AuthenticationForm(request, initial={"username": request.POST.get("username", "")})
     response = render(request, "registration/login.html", {
-        "form": form, "locked_out_minutes": minutes, "next": request.POST.get("next", ""),
+        "form": form, "wait_seconds": wait, "next": request.POST.get("next", ""),
     }, status=429)
-    response["Retry-After"] = str(settings.LONGHAUL_LOGIN_LOCKOUT_SECONDS)
+    response["Retry-After"] = str(wait)
     return response

@@ -354,3 +354,24 @@ class Alert(models.Model):
 
     def __str__(self) -> str:
         return f"{self.kind}: {self.message[:60]}"
+
+
+class SignInBackoff(models.Model):
+    """Failed sign-ins for one username and when its password may next be checked (project/sign_in_backoff.py).
+
+    Here rather than in django-axes' tables: axes forgets failures by one cool-off for every user at once,
+    which cannot express a delay that doubles per username.
+    """
+
+    username = models.CharField(max_length=255, unique=True)
+    failures = models.PositiveIntegerField(default=0)
+    retry_at = models.DateTimeField()
+
+    class Meta:
+        indexes = [
+            # sign_in_backoff.forget_quiet_usernames: rows whose last try is older than the memory.
+            models.Index(fields=["retry_at"], name="signin_backoff_retry_at_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.username}: {self.failures} failures"
