@@ -6,6 +6,9 @@ the follower reconnects with the last seq it handed out and drops anything at or
 so a caller never sees an event twice and never misses one:
 
 - closed with 4429 (too far behind): reconnect at once;
+- closed with 4429 after a close frame with `retry_after` (this user's or tenant's live streams are at
+  their limit): poll instead, which no limit refuses and which carries the same events;
+- closed with 4403 (no longer a member of the task's tenant): the API's own error;
 - dropped, or the server restarting: reconnect with backoff, for up to `reconnect_for`
   seconds of the server not answering at all;
 - a socket the server will not serve (4401: this server's stream takes sessions, not tokens;
@@ -44,7 +47,7 @@ MAX_FRAME_BYTES = 16 * 2**20  # an event's data is small; a generous cap still b
 # Sockets that fail while the REST API answers, in a row, before the follower stops trying them.
 MAX_SOCKET_FAILURES = 3
 # Close codes of the stream protocol (tasks.streams.CloseCode).
-BAD_REQUEST, UNAUTHENTICATED, NOT_FOUND, TOO_FAR_BEHIND = 4400, 4401, 4404, 4429
+BAD_REQUEST, UNAUTHENTICATED, FORBIDDEN, NOT_FOUND, TOO_MANY = 4400, 4401, 4403, 4404, 4429
 
 
 class Follow:
@@ -63,6 +66,7 @@ class Follow:
         self.connections = 0  # sockets opened: more than one means it reconnected
         self._socket_failures = 0
         self._down_since: float | None = None
+        self._close_frame: dict[str, Any] = {}  # the server's last word before it closes, if it said one
 
     def __aiter__(self) -> AsyncIterator[Event]:
         return self._events()
@@ -124,6 +128,9 @@ class Follow:
                     if frame.get("type") == "end":
                         self.end = frame  # type: ignore[assignment]
                         return
+                    if frame.get("type") == "close":
+                        self._close_frame = frame
+                        continue
                     if "seq" in frame and self._accept(frame):  # type: ignore[arg-type]
                         self._socket_failures = 0
                         yield frame  # type: ignore[misc]
@@ -132,11 +139,14 @@ class Follow:
         await self._closed(code)
 
     async def _closed(self, code: int) -> None:
-        if code == TOO_FAR_BEHIND:
+        said, self._close_frame = self._close_frame, {}
+        if code == TOO_MANY and "retry_after" in said:
+            self._stop_using_socket(f"the server refused another live stream ({said.get('reason', 'at its limit')})")
+        elif code == TOO_MANY:
             log.info("the server asked to reconnect (behind); resuming after seq %d", self.cursor)
         elif code == UNAUTHENTICATED:
             self._stop_using_socket("the server's stream does not take this token")
-        elif code == NOT_FOUND:
+        elif code in (NOT_FOUND, FORBIDDEN):
             await self.client.get(self.task_id)  # raises NotFound with the API's own words
             self._stop_using_socket("the stream did not find the task")
         elif code == BAD_REQUEST:

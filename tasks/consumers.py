@@ -5,6 +5,16 @@ Follower (tasks/streams.py) that sends every item after the cursor and follows l
 Protocol: each item is one JSON text frame with a `seq` cursor; `{"type": "end", ...}`
 says the subject ended and everything so far was sent. Close codes are streams.CloseCode.
 `?tenant=<slug>` picks the tenant for a user in several, as X-Longhaul-Tenant does in the API.
+
+Guards against floods and stale sockets:
+- a socket takes a slot of its user's and its tenant's limits (project/socket_limits.py); one
+  over either is closed with 4429, after a `{"type": "close", "code", "reason", "retry_after"}`
+  frame, since daphne drops close reasons on the way to the client;
+- the stream's reads and checks run in tasks/read_threads.py, not on the one thread that every
+  thread-sensitive database call of Channels queues on;
+- every LONGHAUL_WS_REAUTH_SECONDS the socket is authorized again: signed out (4401), no longer a
+  member of the tenant (4403), or the subject deleted or no longer visible (4404) closes it,
+  after the same kind of close frame.
 """
 
 from __future__ import annotations
@@ -14,16 +24,30 @@ import contextlib
 import json
 import logging
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 from urllib.parse import parse_qs
 
-from channels.db import database_sync_to_async
 from channels.generic.websocket import AsyncWebsocketConsumer
+from django.conf import settings
 from django.core.serializers.json import DjangoJSONEncoder
 
+from project.socket_limits import HEARTBEAT_S, Slot, socket_slots
+from project.ws_credentials import Credential, credential_of, still_signed_in
+from tasks.models import Membership
+from tasks.read_threads import read_threads
 from tasks.streams import (
-    BATCH_SIZE, MAX_BATCHES_BEHIND, CloseCode, Follower, Message, Stream, TaskStream, poll_interval, shared_reader,
+    BATCH_SIZE,
+    MAX_BATCHES_BEHIND,
+    CloseCode,
+    Follower,
+    Message,
+    Stream,
+    TaskStream,
+    poll_interval,
+    shared_reader,
 )
+from tasks.tenancy import tenant_for
 
 log = logging.getLogger(__name__)
 MAX_CURSOR = 2**62
@@ -38,6 +62,26 @@ def parse_cursor(params: dict[str, list[str]]) -> int | None:
     return cursor if 0 <= cursor <= MAX_CURSOR else None
 
 
+@dataclass(frozen=True)
+class Grant:
+    """What a socket was allowed at connect: kept to authorize it again while it stays open."""
+
+    user: Any
+    tenant_id: int
+    tenant_slug: str
+    public_id: uuid.UUID
+    credential: Credential | None
+    stream: Stream
+
+
+class Ending(NamedTuple):
+    """Why a socket is closed: the code, and a reason when the client can act on one."""
+
+    code: CloseCode
+    reason: str = ""
+    retry_after_s: int | None = None
+
+
 class StreamConsumer(AsyncWebsocketConsumer):
     """Streams one subject's items after the client's cursor; subclasses say which subject."""
 
@@ -46,10 +90,32 @@ class StreamConsumer(AsyncWebsocketConsumer):
     wakeup_types: frozenset[str] = frozenset({"task.wakeup"})
     batch_size: int = BATCH_SIZE
     max_batches_behind: int = MAX_BATCHES_BEHIND
+    slot: Slot | None = None  # held from an accepted connect until the socket closes
 
     def open_stream(self, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None) -> Stream | None:
         """The authorized stream, or None when the subject is missing or not the user's (runs in a thread)."""
         raise NotImplementedError
+
+    def authorize(self, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None) -> Grant | None:
+        """The grant to stream the subject, or None when it is missing or not the user's (runs in a thread)."""
+        tenant = tenant_for(user, slug=tenant_slug)
+        if tenant is None:
+            return None
+        # Pinned to the tenant found now: a later check must not drift to the user's next-oldest tenant.
+        stream = self.open_stream(user, public_id, tenant_slug=tenant.slug)
+        if stream is None:
+            return None
+        return Grant(user, tenant.pk, tenant.slug, public_id, credential_of(self.scope, user), stream)
+
+    def reauthorize(self, grant: Grant) -> Ending | None:
+        """Why the grant no longer holds, or None while it does (runs in a thread)."""
+        if not still_signed_in(grant.credential, grant.user.pk):
+            return Ending(CloseCode.UNAUTHENTICATED, "signed out; sign in again")
+        if not Membership.objects.filter(user_id=grant.user.pk, tenant_id=grant.tenant_id).exists():
+            return Ending(CloseCode.FORBIDDEN, "no longer a member of this tenant")
+        if self.open_stream(grant.user, grant.public_id, tenant_slug=grant.tenant_slug) is None:
+            return Ending(CloseCode.NOT_FOUND, "deleted, or no longer visible to you")
+        return None
 
     async def connect(self) -> None:
         # Accept first: a handshake refused before accept reaches a browser as a bare 1006,
@@ -67,11 +133,18 @@ class StreamConsumer(AsyncWebsocketConsumer):
         # Browsers cannot set headers on a WebSocket: `tenant` plays the API's X-Longhaul-Tenant.
         tenant_slug = params.get("tenant", [None])[-1]
         public_id = self.scope["url_route"]["kwargs"][self.subject_kwarg]
-        stream = await database_sync_to_async(self.open_stream)(user, public_id, tenant_slug=tenant_slug)
-        if stream is None:
+        grant = await read_threads().to_async(self.authorize)(user, public_id, tenant_slug=tenant_slug)
+        if grant is None:
             await self.close(int(CloseCode.NOT_FOUND))
             return
-        await self._follow(stream, cursor)
+        slot = Slot(uuid.uuid4().hex, user.pk, grant.tenant_id)
+        refusal = await socket_slots().acquire(slot)
+        if refusal is not None:
+            await self._end(Ending(CloseCode.TOO_MANY, refusal.reason, refusal.retry_after_s))
+            return
+        self.slot = slot
+        self.grant = grant
+        await self._follow(grant.stream, cursor)
 
     async def _follow(self, stream: Stream, cursor: int) -> None:
         # Join the group before the first read, so a commit between the two still wakes us.
@@ -79,7 +152,7 @@ class StreamConsumer(AsyncWebsocketConsumer):
         self.groups.append(stream.group)  # websocket_disconnect discards it
         self.stream = stream
         self.follower = Follower(
-            read=shared_reader(stream, database_sync_to_async(stream.read_after)),
+            read=shared_reader(stream, read_threads().to_async(stream.read_after)),
             send=self.send_message,
             cursor=cursor,
             poll_s=poll_interval(self.channel_layer),
@@ -87,15 +160,63 @@ class StreamConsumer(AsyncWebsocketConsumer):
             batch_size=self.batch_size,
             max_batches_behind=self.max_batches_behind,
         )
-        self.follow_task = asyncio.create_task(self._run_follower())
+        self.follow_task = asyncio.create_task(self._stay_open())
 
-    async def _run_follower(self) -> None:
+    async def _stay_open(self) -> None:
+        """Follow the stream and keep the grant checked until either says the socket must close."""
+        follow = asyncio.ensure_future(self._until_follower_stops())
+        guard = asyncio.ensure_future(self._until_grant_lapses())
         try:
-            code = await self.follower.run()
+            done, _ = await asyncio.wait({follow, guard}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (follow, guard):
+                task.cancel()
+            await asyncio.gather(follow, guard, return_exceptions=True)
+        await self._end(done.pop().result())
+
+    async def _until_follower_stops(self) -> Ending:
+        try:
+            return Ending(await self.follower.run())
         except Exception:
             log.exception("stream %s failed", self.stream.group)
-            code = CloseCode.INTERNAL_ERROR
-        await self.close(int(code))  # autobahn refuses an IntEnum: it would send 1011
+            return Ending(CloseCode.INTERNAL_ERROR)
+
+    async def _until_grant_lapses(self) -> Ending:
+        # One timer for both jobs: the slot's heartbeat, and the re-check on its own (usually slower) cadence.
+        reauth_s = settings.LONGHAUL_WS_REAUTH_SECONDS
+        tick_s = min(reauth_s, HEARTBEAT_S)
+        ticks_per_check = max(1, round(reauth_s / tick_s))
+        tick = 0
+        try:
+            while True:
+                await asyncio.sleep(tick_s)
+                tick += 1
+                if tick % ticks_per_check == 0:
+                    ending = await read_threads().to_async(self.reauthorize)(self.grant)
+                    if ending is not None:
+                        return ending
+                if self.slot is not None:
+                    await socket_slots().refresh(self.slot)
+        except Exception:
+            log.exception("re-checking stream %s failed", self.stream.group)
+            return Ending(CloseCode.INTERNAL_ERROR)
+
+    async def _end(self, ending: Ending) -> None:
+        """Free the slot and close; a reason goes first as a frame, since daphne drops the close frame's."""
+        await self._release_slot()
+        if ending.reason:
+            frame: Message = {"type": "close", "code": int(ending.code), "reason": ending.reason}
+            if ending.retry_after_s is not None:
+                frame["retry_after"] = ending.retry_after_s
+            await self.send_message(frame)
+        # int(): autobahn refuses an IntEnum and would send 1011.
+        await self.close(int(ending.code), ending.reason or None)
+
+    async def _release_slot(self) -> None:
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            # Shielded: a disconnect that cancels us mid-release must not leave the slot taken until it expires.
+            await asyncio.shield(socket_slots().release(slot))
 
     async def send_message(self, message: Message) -> None:
         await self.send(text_data=json.dumps(message, cls=DjangoJSONEncoder))
@@ -124,6 +245,7 @@ class StreamConsumer(AsyncWebsocketConsumer):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self._release_slot()
 
 
 class TaskStreamConsumer(StreamConsumer):

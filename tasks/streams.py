@@ -40,9 +40,15 @@ class CloseCode(IntEnum):
 
     BAD_REQUEST = 4400
     UNAUTHENTICATED = 4401
+    # Only for a socket that was allowed and no longer is (its membership removed); at connect,
+    # forbidden and missing both answer NOT_FOUND, so knowing an id tells nothing.
+    FORBIDDEN = 4403
     NOT_FOUND = 4404
     # "Reconnect with your last seq": the client fell too far behind; it loses nothing.
     TOO_FAR_BEHIND = 4429
+    # The same code (an alias): too many live sockets. This close is preceded by a
+    # {"type": "close", "retry_after": s} frame, which is how a client tells the two apart.
+    TOO_MANY = 4429
     INTERNAL_ERROR = 4500  # autobahn lets an application send only 1000 or 3000-4999
 
 

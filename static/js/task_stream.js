@@ -5,15 +5,17 @@
 // The client keeps the last seq it saw, so a reconnect asks for exactly what it missed;
 // items at or below it are ignored, so nothing is handled twice.
 //
-// Close codes: 4400/4401/4404 are final (bad cursor, signed out, no such task);
-// 4429 means "you fell behind, reconnect with your last seq" and is answered at once;
-// anything else is retried with capped, jittered exponential backoff. After
+// Close codes: 4400/4401/4403/4404 are final (bad cursor, signed out, no longer a member,
+// no such task); 4429 means "you fell behind, reconnect with your last seq" and is answered
+// at once, unless a {"type": "close", retry_after} frame came first: then it means "too many
+// live streams" and the client waits that long (daphne drops close reasons, so the server
+// says it in a frame). Anything else is retried with capped, jittered exponential backoff. After
 // WS_FAILURES_BEFORE_POLLING failures in a row the client polls the REST API instead
 // (when the stream has one), and tries the WebSocket again now and then.
 //
 // onStatus receives "live", "reconnecting", "polling" or "closed".
 
-const FINAL_CODES = new Set([4400, 4401, 4404]);
+const FINAL_CODES = new Set([4400, 4401, 4403, 4404]);
 const FINAL_HTTP = new Set([400, 401, 403, 404]);
 const TOO_FAR_BEHIND = 4429;
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
@@ -58,6 +60,7 @@ export function openStream(path, { after = 0, onEvent = () => {}, onEnd = () => 
   let failures = 0;
   let stopped = false;
   let lastEnd = null;
+  let retryAfterMs = null; // from the server's close frame: how long it asked us to wait
 
   function setStatus(next) {
     if (next !== status) {
@@ -67,7 +70,10 @@ export function openStream(path, { after = 0, onEvent = () => {}, onEnd = () => 
   }
 
   function handle(message) {
-    if (message.type === "end") {
+    if (message.type === "close") {
+      // Spread out the tabs that were refused together, so they do not all come back at once.
+      retryAfterMs = message.retry_after ? message.retry_after * 1000 * (1 + Math.random() / 2) : null;
+    } else if (message.type === "end") {
       // A reconnect (or a poll) repeats the end; report each distinct one once.
       const key = JSON.stringify(message);
       if (key !== lastEnd) {
@@ -101,11 +107,13 @@ export function openStream(path, { after = 0, onEvent = () => {}, onEnd = () => 
       socket = null;
       if (stopped) return;
       if (FINAL_CODES.has(event.code)) return stop();
-      if (event.code === TOO_FAR_BEHIND) return connect();
+      const waitMs = retryAfterMs;
+      retryAfterMs = null;
+      if (event.code === TOO_FAR_BEHIND && waitMs === null) return connect();
       failures += 1;
       if (poll && failures >= WS_FAILURES_BEFORE_POLLING) return startPolling();
       setStatus("reconnecting");
-      timer = setTimeout(connect, backoffMs(failures));
+      timer = setTimeout(connect, Math.max(waitMs ?? 0, backoffMs(failures)));
     };
   }
 

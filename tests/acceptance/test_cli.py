@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from rest_framework.authtoken.models import Token
+from websockets.sync.client import connect
 
 from longhaul.client import Client, ConnectionFailed
 from tasks.models import Task
@@ -143,6 +144,26 @@ def test_it_follows_a_task_over_the_websocket_with_a_token(acme, alice, token, l
         assert list(follow) == []
         assert follow.end == {"type": "end", "status": "succeeded", "result_version": 0}
         assert follow.transport == "websocket" and follow.connections == 1
+
+
+def test_a_client_over_its_live_stream_limit_polls_instead_of_reconnecting(acme, alice, token, log_dir):
+    held = submit_sleep(acme, alice)  # queued, with its first event; no worker takes it
+    task = make_task(acme, alice, status=TaskStatus.SUCCEEDED, last_event_seq=0, result_version=0)
+    with daphne(log_dir, LONGHAUL_WS_MAX_PER_USER="1") as base:
+        # The user's one live stream, held open by another client.
+        with connect(f"ws{base[4:]}/ws/tasks/{held.public_id}/", origin=base,
+                     additional_headers={"Authorization": f"Token {token}"}) as holder:
+            assert json.loads(holder.recv(timeout=10))["seq"] == 1  # authorized: it holds the slot
+            with Client(base, token, use_websocket=True) as client:
+                follow = client.follow(str(task.public_id))
+                events: list[Any] = []
+                reader = threading.Thread(target=lambda: events.extend(follow), daemon=True)
+                reader.start()
+                reader.join(WAIT)  # a client that kept reconnecting would never get here
+                assert not reader.is_alive(), f"still following after {WAIT} s ({follow.connections} sockets)"
+    assert events == []
+    assert follow.end == {"type": "end", "status": "succeeded", "result_version": 0}
+    assert follow.transport == "polling" and follow.connections == 1
 
 
 def test_ctrl_c_stops_the_watch_and_leaves_the_task_running(acme, alice, token, home, log_dir):

@@ -21,6 +21,7 @@ from tasks import clock, events, jobs
 from tasks.consumers import TaskStreamConsumer
 from tasks.events import NewEvent
 from tasks.models import Membership, Task
+from tasks.read_threads import read_threads
 from tasks.statuses import TaskStatus
 from tasks.streams import CloseCode
 from tests.conftest import make_user
@@ -41,9 +42,11 @@ def _stream_settings(settings):
 
 @pytest.fixture(autouse=True)
 async def _close_consumer_connections():
-    """Consumers query from asgiref's sync thread; close its connection so the test database can be dropped."""
+    """Consumers query from asgiref's sync thread and the read threads; close their connections so the test
+    database can be dropped."""
     yield
     await database_sync_to_async(connections.close_all)()
+    await asyncio.to_thread(read_threads().close_connections)
 
 
 def session_cookie(user) -> bytes:
