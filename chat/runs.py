@@ -13,6 +13,7 @@ from django.db.models import Q
 from chat.models import Message, Run, Thread
 from tasks import clock, kicks
 from tasks.errors import Conflict
+from tasks.models import Tenant
 
 log = logging.getLogger(__name__)
 ACTIVE = (Run.Status.PENDING, Run.Status.RUNNING)
@@ -68,6 +69,9 @@ def claim(run_id: int, *, owner: str, now: datetime) -> Run | None:
 
     A run whose workers died LONGHAUL_MAX_ATTEMPTS times is not tried again: it ends
     interrupted, freeing its thread (see `interrupt`), instead of holding it forever.
+    Admission: a tenant answers at most LONGHAUL_CHAT_RUNS_PER_TENANT runs at once, oldest first;
+    the rest stay pending until one ends (`_kick_next_of_tenant`), so one tenant's chatter cannot
+    hold every worker.
     """
     lease = now + timedelta(seconds=lease_seconds())
     due = Q(status=Run.Status.PENDING) | Q(status=Run.Status.RUNNING, lease_expires_at__lt=now)
@@ -78,11 +82,44 @@ def claim(run_id: int, *, owner: str, now: datetime) -> Run | None:
         if run.attempts >= settings.LONGHAUL_MAX_ATTEMPTS:
             _interrupt(run, now=now, why=f"gave up after {run.attempts} attempts whose workers never finished")
             return None
+        if not _admitted(run, now=now):
+            return None
         Run.objects.filter(pk=run.pk, status=run.status, attempts=run.attempts).update(
             status=Run.Status.RUNNING, lease_owner=owner, lease_expires_at=lease, attempts=run.attempts + 1,
             started_at=run.started_at or now)
         run.refresh_from_db()
         return run
+
+
+def _admitted(run: Run, *, now: datetime) -> bool:
+    """Whether the run may start now under its tenant's cap. Inside claim's transaction."""
+    # The tenant's row serializes its claims, so two workers cannot both take the last place.
+    Tenant.objects.select_for_update().values_list("pk", flat=True).get(pk=run.tenant_id)
+    answering = Run.objects.filter(tenant_id=run.tenant_id, status=Run.Status.RUNNING,
+                                   lease_expires_at__gte=now).exclude(pk=run.pk).count()
+    if answering >= settings.LONGHAUL_CHAT_RUNS_PER_TENANT:
+        return False  # kicked again when one of those ends; kick_stale is the safety net
+    if run.status == Run.Status.PENDING:
+        oldest = _oldest_pending(run.tenant_id)
+        if oldest is not None and oldest != run.pk:
+            # First come, first answered: the place goes to the oldest, and this one waits its turn.
+            kicks.kick("run", oldest)
+            return False
+    return True
+
+
+def _oldest_pending(tenant_id: int) -> int | None:
+    return Run.objects.filter(tenant_id=tenant_id, status=Run.Status.PENDING).order_by("pk").values_list(
+        "pk", flat=True).first()
+
+
+def _kick_next_of_tenant(tenant_id: int) -> None:
+    """A run of the tenant ended: its place goes to the tenant's oldest pending run. After commit."""
+    def kick_oldest() -> None:
+        if (oldest := _oldest_pending(tenant_id)) is not None:
+            kicks.kick("run", oldest)
+
+    transaction.on_commit(kick_oldest)
 
 
 def _interrupt(run: Run, *, now: datetime, why: str) -> None:
@@ -108,6 +145,7 @@ def _interrupt(run: Run, *, now: datetime, why: str) -> None:
                 now=now, tenant_id=run.tenant_id)
     thread_id = run.thread_id
     transaction.on_commit(lambda: notifications.kick_pending_in_thread(thread_id))
+    _kick_next_of_tenant(run.tenant_id)
     _wake_thread(run.thread)
 
 
@@ -125,6 +163,7 @@ def complete(run: Run, *, owner: str, reply: str, data: dict[str, Any], now: dat
         if run.kind == Run.Kind.NOTIFICATION and run.task_id:
             notifications.run_finished(run.task_id, run.task_version, now=now)
         transaction.on_commit(lambda: notifications.kick_pending_in_thread(run.thread_id))
+        _kick_next_of_tenant(run.tenant_id)
     _wake_thread(run.thread)
     return True
 
@@ -142,6 +181,7 @@ def fail(run: Run, *, owner: str, error: str, now: datetime) -> None:
                                        created_at=now, data={"error": True},
                                        content="Sorry, something went wrong while answering. Please try again.")
             transaction.on_commit(lambda: notifications.kick_pending_in_thread(run.thread_id))
+            _kick_next_of_tenant(run.tenant_id)
     _wake_thread(run.thread)
 
 

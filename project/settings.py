@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 import secrets
-from datetime import timedelta
 from pathlib import Path
 
 from csp import constants as csp
 from django.core.exceptions import ImproperlyConfigured
 
-from project.env import database_from_url, envbool, envfloat, envint, envlist, envstr
+from project.client_ip import trusted_networks
+from project.env import database_from_url, envbool, envfloat, envint, envlist, envrate, envstr
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(envstr("LONGHAUL_VAR_DIR", str(BASE_DIR / "var")))
@@ -124,30 +124,45 @@ if REDIS_URL:
 else:
     CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
 
+# --- WebSocket limits (project/socket_limits.py, tasks/consumers.py) --------------
+# Live stream sockets one user, and one tenant, may hold at once; one more is closed with 4429 and told
+# when to retry. A user has a few tabs, each with a thread stream and a task panel's stream or two: 20
+# covers that and still stops a runaway script. 200 a tenant: ten such users at their limit together.
+# Counted in Redis across every web process when REDIS_URL is set, else in the one process's memory.
+LONGHAUL_WS_MAX_PER_USER = envint("LONGHAUL_WS_MAX_PER_USER", 20, minimum=1)
+LONGHAUL_WS_MAX_PER_TENANT = envint("LONGHAUL_WS_MAX_PER_TENANT", 200, minimum=1)
+# An open socket is authorized again this often (session or token, membership, the task or thread): the
+# longest a signed-out user or a removed member goes on receiving a stream. Each check is three small queries.
+LONGHAUL_WS_REAUTH_SECONDS = envint("LONGHAUL_WS_REAUTH_SECONDS", 30, minimum=1)
+
 # --- Auth -----------------------------------------------------------------------
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
     {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
 ]
-# Sign-in rate limiting (django-axes): after LONGHAUL_LOGIN_MAX_FAILURES failed sign-ins for one
-# username from one IP address, that pair is locked out for LONGHAUL_LOGIN_LOCKOUT_SECONDS; other users,
-# and the same user elsewhere, are unaffected. Counts live in the database, shared by every web process.
+# Sign-in backoff per username (project/sign_in_backoff.py, a django-axes handler): after
+# LONGHAUL_LOGIN_MAX_FAILURES failed sign-ins for one username, from anywhere, each further password check
+# waits 1 s after the last one, doubling up to LONGHAUL_LOGIN_MAX_DELAY_SECONDS. A try during the wait is
+# refused (429) without checking the password or counting. An attacker can slow a username's sign-in but
+# not lock it out; a fixed lock per (username, address) would add nothing the backoff does not already cap.
+# The state lives in the database, shared by every web process.
 AUTHENTICATION_BACKENDS = [
-    "axes.backends.AxesStandaloneBackend",  # first: refuses a locked-out pair before any password check
+    "axes.backends.AxesStandaloneBackend",  # first: refuses a try during the wait before any password check
     "django.contrib.auth.backends.ModelBackend",
 ]
 LONGHAUL_LOGIN_MAX_FAILURES = envint("LONGHAUL_LOGIN_MAX_FAILURES", 5, minimum=1)
-LONGHAUL_LOGIN_LOCKOUT_SECONDS = envint("LONGHAUL_LOGIN_LOCKOUT_SECONDS", 15 * 60, minimum=1)
+# At most an hour: a longer wait is a lockout again.
+LONGHAUL_LOGIN_MAX_DELAY_SECONDS = envint("LONGHAUL_LOGIN_MAX_DELAY_SECONDS", 300, minimum=1, maximum=3600)
+# Proxies whose X-Forwarded-For is believed (IPs or CIDR networks); the client is the right-most untrusted
+# hop (project/client_ip.py). Empty: REMOTE_ADDR is the client. Used in the sign-in log lines.
+LONGHAUL_TRUSTED_PROXIES = trusted_networks("LONGHAUL_TRUSTED_PROXIES", envlist("LONGHAUL_TRUSTED_PROXIES", []))
 AXES_ENABLED = envbool("LONGHAUL_LOGIN_LIMIT", True)
-AXES_FAILURE_LIMIT = LONGHAUL_LOGIN_MAX_FAILURES
-AXES_COOLOFF_TIME = timedelta(seconds=LONGHAUL_LOGIN_LOCKOUT_SECONDS)
-AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
-AXES_RESET_ON_SUCCESS = True
-# A try while locked out does not restart the period, so the page's "try again in N minutes" holds.
-AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+AXES_HANDLER = "project.sign_in_backoff.SignInBackoffHandler"
+AXES_CLIENT_IP_CALLABLE = "project.client_ip.client_ip_for_request"
 AXES_LOCKOUT_CALLABLE = "project.views.sign_in_locked_out"
+# A successful sign-in clears the username's failures in the handler itself (AXES_RESET_ON_SUCCESS is axes' own).
 AXES_DISABLE_ACCESS_LOG = True  # successful sign-ins are not kept: the table would only grow
-# The client address is REMOTE_ADDR. Behind a proxy, set AXES_CLIENT_IP_CALLABLE to read the proxy's header.
+AXES_ENABLE_ADMIN = False  # the handler keeps nothing in axes' tables; their admin pages would stay empty
 LOGIN_URL = "/accounts/login/"
 LOGIN_REDIRECT_URL = "/"
 LOGOUT_REDIRECT_URL = "/accounts/login/"
@@ -230,6 +245,35 @@ DATA_UPLOAD_MAX_MEMORY_SIZE = envint("LONGHAUL_MAX_BODY_BYTES", 1_000_000, minim
 # Deepest JSON nesting a request may use: far above any real input, far below the recursion limit.
 LONGHAUL_MAX_JSON_DEPTH = envint("LONGHAUL_MAX_JSON_DEPTH", 64, minimum=2, maximum=500)
 
+# --- Request throttling (project/throttles.py) -----------------------------------
+# Per user and per tenant, on the writes that make work: task submissions, answers to tasks, chat messages
+# and new threads. Reads are not throttled. A rate is "N/s", "N/min", "N/hour" or "N/day", or "off". The
+# defaults sit far above what a person or a well-behaved script does (a chat message takes seconds to
+# answer, a thread is busy until then) and stop only a runaway loop; a tenant's are ten users' worth, so
+# one user never spends the whole tenant's allowance. Queue quotas (LONGHAUL_MAX_QUEUED) limit the backlog.
+LONGHAUL_THROTTLE_SUBMIT_USER = envrate("LONGHAUL_THROTTLE_SUBMIT_USER", "120/min")
+LONGHAUL_THROTTLE_SUBMIT_TENANT = envrate("LONGHAUL_THROTTLE_SUBMIT_TENANT", "1200/min")
+LONGHAUL_THROTTLE_ANSWER_USER = envrate("LONGHAUL_THROTTLE_ANSWER_USER", "60/min")
+LONGHAUL_THROTTLE_ANSWER_TENANT = envrate("LONGHAUL_THROTTLE_ANSWER_TENANT", "600/min")
+LONGHAUL_THROTTLE_MESSAGE_USER = envrate("LONGHAUL_THROTTLE_MESSAGE_USER", "60/min")
+LONGHAUL_THROTTLE_MESSAGE_TENANT = envrate("LONGHAUL_THROTTLE_MESSAGE_TENANT", "600/min")
+LONGHAUL_THROTTLE_THREAD_USER = envrate("LONGHAUL_THROTTLE_THREAD_USER", "60/min")
+LONGHAUL_THROTTLE_THREAD_TENANT = envrate("LONGHAUL_THROTTLE_THREAD_TENANT", "600/min")
+# The throttles count in the cache. Several daphnes behind a balancer must share the counts, so with Redis
+# (REDIS_URL, already there for the channel layer) the cache is Redis. Without it, the embedded `make run`
+# is one process and process memory counts exactly; several processes without Redis each count apart,
+# which only makes the limits looser. Short socket timeouts: a Redis outage must not hang every write
+# (the throttles let requests through while the cache is unreachable).
+if REDIS_URL:
+    CACHES = {"default": {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": REDIS_URL,
+        "KEY_PREFIX": "longhaul",
+        "OPTIONS": {"socket_connect_timeout": 1, "socket_timeout": 1},
+    }}
+else:
+    CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
+
 # --- django-q2: the transport. The Task table is the truth. ---------------------
 # A gateway job may run calls for its slice plus one operation lease: keep the timeout above that.
 Q_WORKER_TIMEOUT = envint("LONGHAUL_Q_TIMEOUT", 300, minimum=1)
@@ -252,6 +296,12 @@ Q_CLUSTER = {
     "catch_up": False,
     "label": "Worker queue",
 }
+# Chat runs (answers, notifications) on a queue of their own, served by `manage.py worker --queue chat`
+# (django-q2 names a queue by its cluster); the same settings but for the workers and the label.
+LONGHAUL_CHAT_QUEUE = "longhaul-chat"
+Q_CLUSTER["ALT_CLUSTERS"] = {
+    LONGHAUL_CHAT_QUEUE: {"workers": envint("LONGHAUL_CHAT_WORKERS", 2, minimum=1), "label": "Chat queue"},
+}
 
 # --- The runtime ----------------------------------------------------------------
 LONGHAUL_CODE_VERSION = envstr("LONGHAUL_CODE_VERSION", "0.1.0")
@@ -259,6 +309,9 @@ LONGHAUL_CODE_VERSION = envstr("LONGHAUL_CODE_VERSION", "0.1.0")
 LONGHAUL_DEBUG_DRIVERS = envbool("LONGHAUL_DEBUG_DRIVERS", False)
 LONGHAUL_LEASE_SECONDS = envfloat("LONGHAUL_LEASE_SECONDS", 30.0, minimum=0.5)
 LONGHAUL_MAX_ATTEMPTS = envint("LONGHAUL_MAX_ATTEMPTS", 5, minimum=1)
+# Chat runs (answers and notifications) one tenant's threads may have in progress at once; the rest wait,
+# oldest first. Far above one person's use; it keeps one tenant's many threads from holding every worker.
+LONGHAUL_CHAT_RUNS_PER_TENANT = envint("LONGHAUL_CHAT_RUNS_PER_TENANT", 8, minimum=1)
 LONGHAUL_RETRY_BASE_SECONDS = envfloat("LONGHAUL_RETRY_BASE_SECONDS", 1.0, minimum=0.0)
 LONGHAUL_RETRY_CAP_SECONDS = envfloat("LONGHAUL_RETRY_CAP_SECONDS", 300.0, minimum=0.0)
 LONGHAUL_STALL_SECONDS = envfloat("LONGHAUL_STALL_SECONDS", 300.0, minimum=1.0)
@@ -266,6 +319,8 @@ LONGHAUL_STEP_SLICE_MS = envint("LONGHAUL_STEP_SLICE_MS", 200, minimum=0)
 LONGHAUL_IDEMPOTENCY_TTL = envint("LONGHAUL_IDEMPOTENCY_TTL", 24 * 3600, minimum=1)
 LONGHAUL_MAX_RUNNING = envint("LONGHAUL_MAX_RUNNING", 50, minimum=1)
 LONGHAUL_MAX_QUEUED = envint("LONGHAUL_MAX_QUEUED", 10_000, minimum=1)
+# The highest Tenant.weight anyone may set: a tenant admin edits their own tenant's quotas.
+LONGHAUL_MAX_TENANT_WEIGHT = envint("LONGHAUL_MAX_TENANT_WEIGHT", 10, minimum=1)
 LONGHAUL_SWEEP_BATCH = envint("LONGHAUL_SWEEP_BATCH", 500, minimum=1)
 LONGHAUL_MODEL_CONCURRENCY = envint("LONGHAUL_MODEL_CONCURRENCY", 32, minimum=1)
 LONGHAUL_TOOL_CONCURRENCY = envint("LONGHAUL_TOOL_CONCURRENCY", 64, minimum=1)

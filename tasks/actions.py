@@ -291,11 +291,28 @@ def acknowledge_alert(alert: Alert, *, user: Any) -> None:
         _audit(alert, user, "alert.acknowledge", now, {"kind": alert.kind})
 
 
+def quota_ceilings() -> dict[str, tuple[int, str]]:
+    """The most each quota may be set to, and the system setting that says so. A tenant admin may edit
+    their own tenant's quotas, so without these they could give themselves the whole system."""
+    return {"max_running": (settings.LONGHAUL_MAX_RUNNING, "LONGHAUL_MAX_RUNNING"),
+            "max_queued": (settings.LONGHAUL_MAX_QUEUED, "LONGHAUL_MAX_QUEUED"),
+            "weight": (settings.LONGHAUL_MAX_TENANT_WEIGHT, "LONGHAUL_MAX_TENANT_WEIGHT")}
+
+
+def check_quota(name: str, value: Any) -> None:
+    """InvalidInput naming the quota when `value` is not a whole number from 0 to its ceiling."""
+    if name not in QUOTA_FIELDS:
+        raise InvalidInput(f"not a quota: {name}", field=name)
+    ceiling, setting = quota_ceilings()[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= ceiling:
+        raise InvalidInput(f"{name} must be a whole number from 0 to {ceiling} (the system's {setting})",
+                           field=name)
+
+
 def set_quotas(tenant: Tenant, *, user: Any, quotas: dict[str, int]) -> None:
     """Change a tenant's quotas; a raised max_running admits its queued tasks now, not at the next sweep."""
-    unknown = set(quotas) - set(QUOTA_FIELDS)
-    if unknown:
-        raise InvalidInput(f"not a quota: {', '.join(sorted(unknown))}", field=min(unknown))
+    for name in sorted(quotas):
+        check_quota(name, quotas[name])
     now = clock.now()
     with transaction.atomic():
         # Locked so that the audit's old values are the ones this update replaced, even when two admins edit.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from functools import lru_cache
 
+from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.utils import timezone
 from django_q.brokers import get_broker
@@ -25,16 +26,29 @@ JOBS = {
     "operations": "tasks.jobs.run_operations",
     "deliver": "tasks.jobs.deliver",
 }
+# Job name -> the django-q2 queue (cluster name) whose workers run it, when not the main one.
+QUEUES: dict[str, str] = {}
 
 
-def register_job(name: str, dotted_path: str) -> None:
-    """Let kick(name, ...) run the function at `dotted_path`; called from an AppConfig.ready()."""
+def register_job(name: str, dotted_path: str, *, queue: str | None = None) -> None:
+    """Let kick(name, ...) run the function at `dotted_path`; called from an AppConfig.ready().
+    `queue`: a queue of its own (a cluster in settings.Q_CLUSTER["ALT_CLUSTERS"]), not the main one."""
     if JOBS.setdefault(name, dotted_path) != dotted_path:
         raise ImproperlyConfigured(f"job {name!r} already runs {JOBS[name]}, not {dotted_path}")
+    if queue is not None:
+        if queue not in settings.Q_CLUSTER.get("ALT_CLUSTERS", {}):
+            raise ImproperlyConfigured(f"job {name!r}: no cluster {queue!r} in Q_CLUSTER['ALT_CLUSTERS']")
+        QUEUES[name] = queue
+
+
+def queue_of(job: str) -> str:
+    """The queue a kick of `job` goes to, whichever process kicks it."""
+    return QUEUES.get(job) or settings.Q_CLUSTER["name"]
 
 
 @lru_cache(maxsize=1)
 def _queue_key() -> str:
+    """The queue this process's cluster takes work from."""
     return get_broker().list_key
 
 
@@ -53,7 +67,7 @@ def kick(job: str, task_id: int, *, at: datetime | None = None) -> int:
         "ack_failure": True,
         "started": now,
     }
-    return OrmQ.objects.create(key=_queue_key(), payload=SignedPackage.dumps(package),
+    return OrmQ.objects.create(key=queue_of(job), payload=SignedPackage.dumps(package),
                                lock=at if at and at > now else now).pk
 
 

@@ -102,11 +102,24 @@ class Process:
 
 @contextmanager
 def qcluster(log_dir: Path, *, workers: int = 2, name: str = "qcluster", command: Sequence[str] = ("worker",),
-             **env: str) -> Iterator[Process]:
+             chat: bool = True, **env: str) -> Iterator[Process]:
     """The worker service as the Procfile runs it (`manage.py worker`: django-q2's cluster, supervised);
-    `command=("qcluster",)` runs django-q2's own command instead."""
-    proc = Process(name, [sys.executable, "manage.py", *command],
-                   child_env(LONGHAUL_WORKERS=str(workers), **env), log_dir)
+    `command=("qcluster",)` runs django-q2's own command instead. Yields the task cluster; with `chat`, a
+    one-worker chat cluster (`worker --queue chat`) runs beside it, for chat runs and notifications."""
+    with contextlib.ExitStack() as stack:
+        if chat:
+            stack.enter_context(chat_cluster(log_dir, name=f"{name}-chat", **env))
+        proc = Process(name, [sys.executable, "manage.py", *command],
+                       child_env(LONGHAUL_WORKERS=str(workers), **env), log_dir)
+        stack.callback(proc.stop)
+        yield proc
+
+
+@contextmanager
+def chat_cluster(log_dir: Path, *, workers: int = 1, name: str = "chat", **env: str) -> Iterator[Process]:
+    """The chat queue's worker service (`manage.py worker --queue chat`)."""
+    proc = Process(name, [sys.executable, "manage.py", "worker", "--queue", "chat"],
+                   child_env(LONGHAUL_CHAT_WORKERS=str(workers), **env), log_dir)
     try:
         yield proc
     finally:

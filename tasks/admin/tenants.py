@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from django import forms
 from django.contrib import admin
 from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
@@ -14,6 +15,7 @@ from django.utils.safestring import SafeString
 from tasks import actions
 from tasks.admin.display import admin_url, link
 from tasks.admin.scoping import TenantScopedAdmin, operator_tenant_ids
+from tasks.errors import InvalidInput
 from tasks.models import Task, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
 
@@ -26,8 +28,23 @@ def tasks_of_tenant(statuses: Iterable[str]) -> Coalesce:
     return Coalesce(Subquery(counted, output_field=IntegerField()), 0)
 
 
+class QuotaForm(forms.ModelForm):
+    """The quotas, held to the system's ceilings (tasks.actions.check_quota) before anything is saved."""
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean()
+        for name in actions.QUOTA_FIELDS:
+            if name in self.changed_data and cleaned.get(name) is not None:
+                try:
+                    actions.check_quota(name, cleaned[name])
+                except InvalidInput as exc:
+                    self.add_error(name, str(exc))
+        return cleaned
+
+
 @admin.register(Tenant)
 class TenantAdmin(TenantScopedAdmin):
+    form = QuotaForm
     list_display = ("slug", "name", "max_running", "max_queued", "weight", "running", "queued", "failed")
     fields = ("slug", "name", "created_at", *actions.QUOTA_FIELDS)
     readonly_fields = ("slug", "name", "created_at")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 
 from tasks.models import Task, TaskEvent
 from tasks.statuses import TERMINAL, TaskStatus
@@ -48,12 +48,18 @@ def test_a_light_tenant_is_served_within_its_share_while_another_floods(acme, al
         wait_until(lambda: fresh_count(tenant=acme, status=TaskStatus.SUCCEEDED) >= SLOTS, timeout=60,
                    message="the flood to be under way")
         since = TaskEvent.objects.latest("id").id
-        theirs = [submit_sleep(globex, charlie, steps=2, step_seconds=0.05).pk for _ in range(3)]
+        with transaction.atomic():  # all three wait from one moment, so acme's admissions before it don't count
+            theirs = [submit_sleep(globex, charlie, steps=2, step_seconds=0.05).pk for _ in range(3)]
+        submitted = TaskEvent.objects.latest("id").id
         wait_until(lambda: fresh_count(pk__in=theirs, status__in=TERMINAL) == 3, timeout=60,
                    message="globex's tasks to finish")
     order = list(TaskEvent.objects.filter(kind="admitted", id__gt=since).order_by("id")
-                 .values_list("tenant_id", flat=True))
-    last_globex = max(i for i, tenant_id in enumerate(order) if tenant_id == globex.pk)
-    assert order[:last_globex].count(acme.pk) <= 4, f"globex waited behind acme's flood: {order}"
+                 .values_list("id", "tenant_id"))
+    last_globex = max(event_id for event_id, tenant_id in order if tenant_id == globex.pk)
+    # Once globex's tasks wait, each slot that frees is theirs (they hold the fewest per weight); acme's
+    # admissions already under way in other workers at that moment may still land first.
+    acme_ahead = [event_id for event_id, tenant_id in order
+                  if tenant_id == acme.pk and submitted < event_id < last_globex]
+    assert len(acme_ahead) <= SLOTS, f"globex waited behind acme's flood: {[t for _, t in order]}"
     assert fresh_count(pk__in=theirs, status=TaskStatus.SUCCEEDED) == 3
     assert most_slots_held_at_once() <= SLOTS

@@ -37,6 +37,7 @@ from pathlib import Path
 from random import Random
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import InterfaceError, OperationalError, connection
 from django.db.models import Q
 from django.utils import timezone
@@ -213,6 +214,11 @@ class Drill:
             offline = {**CLUSTER_ENV, "REDIS_URL": REDIS_URL}
             self._start_cluster("a", offline)
             self._start_cluster("b", {**offline, **faulty_cluster_env(model, site)})
+            # Chat runs have a queue of their own; its cluster is not a fault target (the runs' own
+            # recovery is tested in tests/integration), so it is outside self.clusters.
+            chat = Cluster("chat", {**offline, "Q_CLUSTER_NAME": settings.LONGHAUL_CHAT_QUEUE}, self.config.log_dir,
+                           workers=1)
+            stack.callback(chat.stop)
             api = Api(base, self.token)
             stack.callback(api.close)
             load = self._prepare(api, base)

@@ -83,15 +83,19 @@ WORKER_ENV = {"LONGHAUL_OFFLINE_LATENCY_MS": "150", "LONGHAUL_DEBUG_DRIVERS": "1
 
 @pytest.fixture(scope="session")
 def worker(django_db_setup: None, mcp_server: Path) -> Iterator[Process]:
-    """The real worker command, as `make run` starts it (chat runs, task steps, notifications)."""
-    proc = Process("worker", [sys.executable, "manage.py", "worker"],
-                   child_env(LONGHAUL_WORKERS="2", **WORKER_ENV), ROOT / "var" / "test-logs" / "e2e")
+    """The real worker commands, as `make run` starts them: task steps, and chat runs on their own queue."""
+    logs = ROOT / "var" / "test-logs" / "e2e"
+    chat = Process("chat", [sys.executable, "manage.py", "worker", "--queue", "chat"],
+                   child_env(LONGHAUL_CHAT_WORKERS="1", **WORKER_ENV), logs)
+    proc = Process("worker", [sys.executable, "manage.py", "worker"], child_env(LONGHAUL_WORKERS="2", **WORKER_ENV),
+                   logs)
     try:
         yield proc
     finally:
-        # Nothing of value is left in it (every test stops what it started), and a cluster
+        # Nothing of value is left in them (every test stops what it started), and a cluster
         # can take half a minute to wind down: a short grace, then SIGKILL.
         proc.stop(timeout=3)
+        chat.stop(timeout=3)
 
 
 @pytest.fixture(autouse=True)

@@ -8,6 +8,8 @@ from django.test import Client
 from django.urls import reverse
 from rest_framework.authtoken.models import Token
 
+from tasks import actions
+from tasks.errors import InvalidInput
 from tasks.models import Alert, AuditEntry, Membership, Task, TaskEvent, Tenant
 from tasks.statuses import NotificationStatus, TaskStatus
 from tests.factories import make_task
@@ -94,6 +96,30 @@ def test_a_quota_editor_edits_only_their_own_tenants_quotas(scenes, acme, globex
     acme.refresh_from_db()
     globex.refresh_from_db()
     assert (acme.max_running, globex.max_running) == (4, 9)
+
+
+@pytest.mark.parametrize(("field", "value", "setting"), [
+    ("weight", 11, "LONGHAUL_MAX_TENANT_WEIGHT"), ("max_running", 51, "LONGHAUL_MAX_RUNNING"),
+    ("max_queued", 10_001, "LONGHAUL_MAX_QUEUED"),
+])
+def test_a_tenant_admin_cannot_raise_their_quotas_past_the_systems_ceilings(scenes, globex, field, value, setting):
+    editor = signed_in(make_operator("quinn", globex, permissions=("tasks.view_tenant", "tasks.change_tenant")))
+    quotas = {"max_running": 4, "max_queued": 100, "weight": 1, field: value, "_save": "Save"}
+    response = editor.post(reverse("admin:tasks_tenant_change", args=[globex.pk]), quotas)
+    assert response.status_code == 200  # the form again, with the error on the field
+    assert setting in " ".join(response.context["adminform"].form.errors[field])
+    globex.refresh_from_db()
+    assert (globex.max_running, globex.max_queued, globex.weight) == (4, 100, 1)
+    assert not AuditEntry.objects.filter(action="tenant.quotas").exists()
+
+
+def test_the_ceilings_hold_for_code_too(globex):
+    with pytest.raises(InvalidInput, match="weight must be a whole number from 0 to 10"):
+        actions.set_quotas(globex, user=None, quotas={"max_running": 2, "weight": 1000})
+    with pytest.raises(InvalidInput, match="max_running must be a whole number"):
+        actions.set_quotas(globex, user=None, quotas={"max_running": True})
+    globex.refresh_from_db()
+    assert (globex.max_running, globex.weight) == (4, 1)
 
 
 def test_an_operator_without_the_change_permission_cannot_edit_quotas(olga_client, globex):

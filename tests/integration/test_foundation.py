@@ -222,6 +222,12 @@ def test_it_creates_a_tenant():
     assert (tenant.name, tenant.max_running) == ("Initech", 2)
 
 
+def test_it_refuses_a_tenant_weight_above_the_systems_ceiling():
+    with pytest.raises(CommandError, match="--weight: weight must be a whole number from 0 to 10"):
+        run("createtenant", "initech", "--name", "Initech", "--weight", "11")
+    assert not Tenant.objects.exists()
+
+
 @pytest.mark.parametrize("slug", ["Bad Slug", "UPPER", "under_score!"])
 def test_it_refuses_a_bad_tenant_slug(slug: str):
     with pytest.raises(CommandError, match="slug .* must be lowercase letters, digits and hyphens"):

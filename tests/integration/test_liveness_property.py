@@ -252,6 +252,7 @@ def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, mod
     globex.save()
     settings.LONGHAUL_STEP_SLICE_MS = 0  # one step per advance: more interleavings
     settings.LONGHAUL_MAX_RUNNING = 4
+    settings.LONGHAUL_CHAT_RUNS_PER_TENANT = 1  # chat runs wait for admission too, and must still all end
     settings.LONGHAUL_MCP_POLL_FLOOR_MS = 50
     settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS = 0.4
     settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = 5
@@ -374,7 +375,8 @@ class Rows:
         self.tasks = list(Task.objects.values(*TASK_FIELDS))
         self.calls = list(Operation.objects.filter(args__isnull=False, status__in=UNFINISHED_OPS).values(
             "key", "task_id", "step", "kind", "name", "status", "started_at", "task__status"))
-        self.runs = list(Run.objects.values("pk", "kind", "status", "idempotency_key", "lease_expires_at"))
+        self.runs = list(Run.objects.values("pk", "kind", "status", "idempotency_key", "lease_expires_at",
+                                            "tenant_id"))
         self.repairs = list(Alert.objects.filter(kind="liveness").values_list("message", flat=True))
 
 
@@ -427,7 +429,7 @@ def sweeper_repairs(rows: Rows) -> list[str]:
     return problems
 
 
-def stranded_outbox(rows: Rows) -> list[str]:
+def stranded_outbox(rows: Rows, now: datetime) -> list[str]:
     """Pending and retry rows have a due time, a claimed row a lease, and a dispatched row a run still
     going or a time at which someone looks at what became of it; a running chat run has a lease."""
     problems = []
@@ -445,6 +447,11 @@ def stranded_outbox(rows: Rows) -> list[str]:
                                 f"{run_status.get(key, 'missing')}, and nobody looks again")
     problems += [f"chat run {r['pk']} running with no lease expiry" for r in rows.runs
                  if r["status"] == Run.Status.RUNNING and r["lease_expires_at"] is None]
+    answering = Counter(r["tenant_id"] for r in rows.runs
+                        if r["status"] == Run.Status.RUNNING and r["lease_expires_at"] and r["lease_expires_at"] > now)
+    cap = django_settings.LONGHAUL_CHAT_RUNS_PER_TENANT
+    problems += [f"tenant {tenant} answers {n} chat runs at once (cap {cap})" for tenant, n in answering.items()
+                 if n > cap]
     return problems
 
 
@@ -891,7 +898,7 @@ class LivenessMachine(RuleBasedStateMachine):
 
     def nothing_is_stranded(self, rows: Rows) -> None:
         now = self.now()
-        problems = stranded_tasks(rows, now) + stranded_calls(rows) + stranded_outbox(rows) + sweeper_repairs(rows)
+        problems = stranded_tasks(rows, now) + stranded_calls(rows) + stranded_outbox(rows, now) + sweeper_repairs(rows)
         assert not problems, problems
         if self.swept:
             self.swept = False
