@@ -38,6 +38,8 @@ run: venv
 
 # The suite on PostgreSQL, a smoke subset on SQLite, then Playwright in its own
 # pytest invocation (its event loop clashes with asyncio tests in one process).
+# The suite runs the product in development mode, as `make run` does (tests/settings.py says why).
+test test-unit: export DEBUG ?= 1
 test: venv
 	bin/ensure-postgres
 	bin/ensure-redis
