@@ -55,7 +55,7 @@ class Probe:
     stands: ClassVar[bool] = True  # what question_stands answers; set by the tests
     watched: ClassVar[list[Any]] = []  # the results question_stands was shown
 
-    def validate_input(self, raw: Any, *, tenant=None) -> dict[str, Any]:
+    def validate_input(self, raw: Any, *, tenant=None, internal: bool = False) -> dict[str, Any]:
         return raw
 
     def initial_state(self, task_input: dict[str, Any]) -> dict[str, Any]:
