@@ -18,6 +18,7 @@ from django.utils import timezone
 
 from project.client_ip import trusted_networks
 from project.sign_in_backoff import MEMORY, admit
+from tests.integration.test_login_limit import fail, sign_in, signed_in_as
 from tests.processes import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -29,19 +30,6 @@ def clock() -> Iterator[Any]:
     """The time, frozen; tests move it with clock.shift(timedelta)."""
     with time_machine.travel(timezone.now(), tick=False) as traveller:
         yield traveller
-
-
-def sign_in(client: Client, username: str, password: str, path: str = "/accounts/login/") -> Any:
-    return client.post(path, {"username": username, "password": password})
-
-
-def signed_in_as(client: Client) -> str | None:
-    response = client.get("/api/me")
-    return response.json()["username"] if response.status_code == 200 else None
-
-
-def fail(client: Client, username: str, times: int) -> list[int]:
-    return [sign_in(client, username, "wrong-password").status_code for _ in range(times)]
 
 
 def wait_of(response: Any) -> int:
