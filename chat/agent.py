@@ -17,7 +17,7 @@ from typing import Any
 from django.utils import translation
 from django.utils.translation import gettext as _
 
-from chat import tools
+from chat import proposals, tools
 from chat.models import Message, Run
 from project.parsers import strict_loads
 from tasks.gateway.untrusted import frame, neutralize_name
@@ -234,6 +234,7 @@ def _as_history(message: Message) -> str:
 
 
 def _call_tool(run: Run, name: str, args: dict[str, Any], n: int) -> tools.ToolReply:
+    """A tool call of the model. Its remote tool calls and cancels wait for the user; typed commands do not."""
     if name == "start_background_task":
         return tools.start_background_task(run, kind="research", name=str(args.get("name", ""))[:200],
                                            input={"question": str(args.get("question", ""))}, n=n)
@@ -241,12 +242,13 @@ def _call_tool(run: Run, name: str, args: dict[str, Any], n: int) -> tools.ToolR
         arguments = args.get("arguments", {})
         if not isinstance(arguments, dict):
             return tools.ToolReply("arguments must be a JSON object of the tool's parameters", {"error": True})
-        return tools.start_remote_tool(run, server=str(args.get("server", "")), tool=str(args.get("tool", "")),
-                                       arguments=arguments, name=str(args.get("name", ""))[:200], n=n)
+        # The model's own idea (perhaps a quoted page's): the user confirms it first (chat/proposals.py).
+        return proposals.propose_remote_tool(run, server=str(args.get("server", "")), tool=str(args.get("tool", "")),
+                                             arguments=arguments, name=str(args.get("name", ""))[:200], n=n)
     if name == "list_background_tasks":
         return tools.list_background_tasks(run)
     if name == "cancel_background_task":
-        return tools.cancel_background_task(run, name=str(args.get("name", "")))
+        return proposals.propose_cancel(run, name=str(args.get("name", "")), n=n)
     if name == "answer_background_task":
         return tools.answer_background_task(run, name=str(args.get("name", "")), answer=str(args.get("answer", "")))
     return tools.ToolReply(f"unknown tool {name}", {"error": True})

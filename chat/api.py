@@ -10,14 +10,16 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from chat import runs
-from chat.models import Message, Run, Thread
+from chat import proposals, runs
+from chat.models import Message, Proposal, Run, Thread
 from chat.serializers import (
+    DecisionSerializer,
     MessagePageSerializer,
     MessageSerializer,
     PanelPageSerializer,
     PanelTaskSerializer,
     PostMessageSerializer,
+    ProposalSerializer,
     RunSerializer,
     ThreadPageSerializer,
     ThreadSerializer,
@@ -38,6 +40,7 @@ from tasks.models import Task, TaskEvent
 from tasks.statuses import TERMINAL
 
 THREAD_ID = OpenApiParameter("thread_id", OpenApiTypes.UUID, OpenApiParameter.PATH)
+PROPOSAL_ID = OpenApiParameter("proposal_id", OpenApiTypes.UUID, OpenApiParameter.PATH)
 MAX_MESSAGES_PAGE = 500
 PANEL_LIMIT, MAX_PANEL_LIMIT = 50, 200
 PHASES = ("admitted", "planning", "searching", "source_read", "evidence_added", "drafting", "waiting_tool",
@@ -61,6 +64,14 @@ def panel_tasks(thread: Thread, *, limit: int = PANEL_LIMIT) -> list[Task]:
     active = list(tasks.exclude(status__in=TERMINAL)[:limit])
     ended = list(tasks.filter(status__in=TERMINAL)[:limit - len(active)]) if len(active) < limit else []
     return active + ended
+
+
+def proposals_of(thread: Thread, messages: list[Message]) -> dict[str, Proposal]:
+    """The proposals these messages show or decide, by public id: one query for a page of messages."""
+    ids = {str(m.data.get(key)) for m in messages if isinstance(m.data, dict)
+           for key in ("proposal", "decides") if m.data.get(key)}
+    rows = Proposal.objects.filter(thread=thread, public_id__in=ids) if ids else []
+    return {str(p.public_id): p for p in rows}
 
 
 class ThreadList(APIView):
@@ -116,7 +127,8 @@ class ThreadMessages(APIView):
         messages = list(Message.objects.filter(thread=thread, hidden=False, id__gt=after)
                         .select_related("run").order_by("id")[:limit])
         busy = Run.objects.filter(thread=thread, status__in=runs.ACTIVE).exists()
-        return Response({"results": MessageSerializer(messages, many=True).data,
+        context = {"proposals": proposals_of(thread, messages)}
+        return Response({"results": MessageSerializer(messages, many=True, context=context).data,
                          "next_after": messages[-1].id if messages else after, "busy": busy})
 
     @extend_schema(request=PostMessageSerializer,
@@ -149,3 +161,26 @@ class ThreadTasks(APIView):
         # Counted apart from the page: the badge counts every active task, listed or not.
         active = Task.objects.filter(thread=thread).exclude(status__in=TERMINAL).count()
         return Response({"results": PanelTaskSerializer(tasks, many=True).data, "active": active})
+
+
+class ProposalDetail(APIView):
+    """A side effect the model proposed in a thread (chat/proposals.py), and the user's decision on it."""
+
+    @extend_schema(parameters=[THREAD_ID, PROPOSAL_ID], responses={200: ProposalSerializer, **READ_ERRORS})
+    def get(self, request: Request, thread_id: str, proposal_id: str) -> Response:
+        return Response(ProposalSerializer(get_proposal(request, thread_id, proposal_id)).data)
+
+    @extend_schema(request=DecisionSerializer, parameters=[THREAD_ID, PROPOSAL_ID],
+                   responses={200: ProposalSerializer, **ERRORS})
+    def post(self, request: Request, thread_id: str, proposal_id: str) -> Response:
+        proposal = get_proposal(request, thread_id, proposal_id)
+        body = DecisionSerializer(data=request.data)
+        body.is_valid(raise_exception=True)
+        decided = proposals.decide(proposal, user=request.user, decision=body.validated_data["decision"])
+        return Response(ProposalSerializer(decided).data)
+
+
+def get_proposal(request: Request, thread_id: str, proposal_id: str) -> Proposal:
+    """A proposal of one of the user's own threads; any other is the same 404 as an unknown one."""
+    thread = get_thread(request, thread_id)
+    return get_by_public_id(Proposal.objects.filter(thread=thread), proposal_id, noun="proposal")

@@ -95,6 +95,44 @@ class Message(models.Model):
         ]
 
 
+class Proposal(models.Model):
+    """A side effect the model proposed (a remote tool call, a cancel): nothing runs until the thread's owner
+    confirms. A quoted web page or a remote tool's result can talk the model into calling; the user cannot be."""
+
+    class Action(models.TextChoices):
+        START_REMOTE_TOOL = "start_remote_tool"
+        CANCEL_BACKGROUND_TASK = "cancel_background_task"
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        CONFIRMED = "confirmed"
+        DECLINED = "declined"
+
+    public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="proposals")
+    tenant = models.ForeignKey("tasks.Tenant", on_delete=models.CASCADE, related_name="+")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="proposals",
+                            help_text="The run whose model proposed it.")
+    n = models.PositiveIntegerField(help_text="The tool call's index in its run: the confirmed action's "
+                                              "idempotency key is the run's and this.")
+    action = models.CharField(max_length=32, choices=Action.choices)
+    # start_remote_tool: {server (configured name), server_title, tool, arguments, name};
+    # cancel_background_task: {task (public id), name}. Shown only through chat.proposals.public_shape.
+    arguments = models.JSONField(default=dict)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    created_at = models.DateTimeField()
+    decided_at = models.DateTimeField(null=True, blank=True)
+    decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    outcome = models.TextField(blank=True, help_text="What happened when it was decided, as the thread was told.")
+
+    class Meta:
+        constraints = [
+            # A run replayed after a crash proposes its tool call once, not twice.
+            models.UniqueConstraint(fields=["run", "n"], name="proposal_one_per_tool_call"),
+        ]
+
+
 class LanguagePreference(models.Model):
     """The language a person reads Longhaul in, kept on the server so it follows them to any browser."""
 

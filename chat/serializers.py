@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from chat.models import Message, Run, Thread
+from chat.models import Message, Proposal, Run, Thread
 from tasks.models import Task
 from tasks.serializers import SOME_TEXT, RemoteFactsMixin, StrictCharField
 from tasks.statuses import TERMINAL, ErrorClass, NotificationStatus
@@ -23,15 +26,81 @@ class ThreadWriteSerializer(serializers.Serializer):
     title = StrictCharField(max_length=200, required=False, allow_blank=True, default="")
 
 
+class ProposalSerializer(serializers.ModelSerializer):
+    """A side effect the model proposed, as its card shows it: a server by its display name, never its
+    configured name; a task by its name."""
+
+    id = serializers.UUIDField(source="public_id", read_only=True)
+    server = serializers.SerializerMethodField()
+    tool = serializers.SerializerMethodField()
+    arguments = serializers.SerializerMethodField()
+    name = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Proposal
+        fields = ["id", "action", "status", "name", "server", "tool", "arguments", "outcome", "created_at",
+                  "decided_at"]
+        read_only_fields = fields
+
+    def get_name(self, proposal: Proposal) -> str:
+        """The task it would start, or the task it would cancel."""
+        return str(proposal.arguments.get("name", ""))
+
+    def get_server(self, proposal: Proposal) -> str | None:
+        if proposal.action != Proposal.Action.START_REMOTE_TOOL:
+            return None
+        return str(proposal.arguments.get("server_title", ""))
+
+    def get_tool(self, proposal: Proposal) -> str | None:
+        if proposal.action != Proposal.Action.START_REMOTE_TOOL:
+            return None
+        return str(proposal.arguments.get("tool", ""))
+
+    @extend_schema_field({"type": "object", "nullable": True, "additionalProperties": True})
+    def get_arguments(self, proposal: Proposal) -> dict[str, Any] | None:
+        if proposal.action != Proposal.Action.START_REMOTE_TOOL:
+            return None
+        return proposal.arguments.get("arguments") or {}
+
+
+class DecisionSerializer(serializers.Serializer):
+    decision = serializers.ChoiceField(choices=["confirm", "decline"])
+
+
 class MessageSerializer(serializers.ModelSerializer):
+    """context["proposals"] (public id -> Proposal) saves a query per card; without it each is read."""
+
     run = serializers.SerializerMethodField()
     task = serializers.SerializerMethodField()
     asks = serializers.SerializerMethodField()
+    proposal = serializers.SerializerMethodField()
+    decides = serializers.SerializerMethodField()
 
     class Meta:
         model = Message
-        fields = ["id", "role", "content", "run", "task", "asks", "created_at"]
+        fields = ["id", "role", "content", "run", "task", "asks", "proposal", "decides", "created_at"]
         read_only_fields = fields
+
+    @extend_schema_field(ProposalSerializer(allow_null=True))
+    def get_proposal(self, message: Message) -> dict[str, Any] | None:
+        """The message is the card of this proposal: the page draws it with Confirm and Decline."""
+        return self._proposal(message, "proposal")
+
+    @extend_schema_field(ProposalSerializer(allow_null=True))
+    def get_decides(self, message: Message) -> dict[str, Any] | None:
+        """The message tells how this proposal was decided: the page redraws its card."""
+        return self._proposal(message, "decides")
+
+    def _proposal(self, message: Message, key: str) -> dict[str, Any] | None:
+        public_id = (message.data or {}).get(key)
+        if not public_id:
+            return None
+        known = self.context.get("proposals")
+        if known is not None:
+            row = known.get(str(public_id))
+        else:
+            row = Proposal.objects.filter(thread_id=message.thread_id, public_id=public_id).first()
+        return ProposalSerializer(row).data if row is not None else None
 
     def get_asks(self, message: Message) -> bool:
         """The message tells of a task's question: the page offers the answer form under it."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.utils.translation import gettext as _
@@ -17,6 +17,9 @@ from tasks.gateway.untrusted import neutralize_name
 from tasks.models import Task
 from tasks.serializers import display_name
 from tasks.statuses import TERMINAL, TaskStatus
+
+if TYPE_CHECKING:
+    from tasks.mcp.config import Server  # loaded only where a remote tool is used (the MCP SDK is heavy)
 
 PROJECTION_LIMIT = 20
 PREVIEW_CHARS = 200
@@ -121,16 +124,34 @@ def start_remote_tool(run: Run, *, server: str, tool: str, arguments: dict[str, 
 
     `server` is what the user or the model wrote: a server's display name (or its configured name);
     the configured name goes into the task's input and never back into the conversation."""
-    found = find_server(run, server)
-    if found is None:
-        titles = _(", ").join(f"“{s['name']}”" for s in remote_servers(run))
-        if not titles:
-            return ToolReply(_("No remote tools are set up for this workspace."), {"error": True})
-        return ToolReply(_("There is no remote server called “%(server)s”. The servers here are: %(servers)s.")
-                         % {"server": neutralize_name(server), "servers": titles}, {"error": True})
-    name = name or _("%(tool)s on %(server)s") % {"tool": tool, "server": display_name(found)}
+    found = resolve_server(run, server)
+    if isinstance(found, ToolReply):
+        return found
+    return start_on_server(run, found, tool=tool, arguments=arguments, name=name, n=n)
+
+
+def start_on_server(run: Run, server: Server, *, tool: str, arguments: dict[str, Any], name: str = "",
+                    n: int = 0) -> ToolReply:
+    """Run `tool` of a resolved server as a background task."""
+    name = name or remote_task_name(server, tool)
     return start_background_task(run, kind="mcp", name=name,
-                                 input={"server": found.name, "tool": tool, "arguments": arguments}, n=n)
+                                 input={"server": server.name, "tool": tool, "arguments": arguments}, n=n)
+
+
+def remote_task_name(server: Server, tool: str) -> str:
+    return _("%(tool)s on %(server)s") % {"tool": tool, "server": display_name(server)}
+
+
+def resolve_server(run: Run, typed: str) -> Server | ToolReply:
+    """The configured server `typed` names (see find_server), or a ToolReply naming the servers there are."""
+    found = find_server(run, typed)
+    if found is not None:
+        return found
+    titles = _(", ").join(f"“{s['name']}”" for s in remote_servers(run))
+    if not titles:
+        return ToolReply(_("No remote tools are set up for this workspace."), {"error": True})
+    return ToolReply(_("There is no remote server called “%(server)s”. The servers here are: %(servers)s.")
+                     % {"server": neutralize_name(typed), "servers": titles}, {"error": True})
 
 
 def find_server(run: Run, typed: str) -> Any:
@@ -159,7 +180,12 @@ def cancel_background_task(run: Run, *, name: str) -> ToolReply:
     found = find_task(run.thread, name, active_only=True)
     if isinstance(found, str):
         return ToolReply(found, {"ambiguous": True})
-    task = actions.request_cancel(found, user=run.thread.owner, reason="asked in chat")
+    return cancel_task(found, user=run.thread.owner)
+
+
+def cancel_task(found: Task, *, user: Any) -> ToolReply:
+    """Ask a task of the thread to stop; what the thread is told."""
+    task = actions.request_cancel(found, user=user, reason="asked in chat")
     if task.status == TaskStatus.CANCELLED:
         text = _("“%(name)s” is cancelled.") % {"name": neutralize_name(task.name)}
     else:

@@ -39,5 +39,7 @@ urlpatterns = [
     path("api/threads/<str:thread_id>", chat_api.ThreadDetail.as_view(), name="thread-detail"),
     path("api/threads/<str:thread_id>/messages", chat_api.ThreadMessages.as_view(), name="thread-messages"),
     path("api/threads/<str:thread_id>/tasks", chat_api.ThreadTasks.as_view(), name="thread-tasks"),
+    path("api/threads/<str:thread_id>/proposals/<str:proposal_id>", chat_api.ProposalDetail.as_view(),
+         name="thread-proposal"),
     path("t/<uuid:thread_id>/", chat_views.thread_page, name="thread"),
 ]

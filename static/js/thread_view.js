@@ -10,6 +10,9 @@
 // still asks that question (the newest such message only); answered or withdrawn, in the
 // panel or here, the form goes away. What the task asks is read from the task itself, and
 // again whenever the thread's stream or the panel brings news of it (noteTask).
+//
+// A message that is a proposal of the model's (a remote tool call, a cancel) carries its card
+// with Confirm and Decline (proposal_card.js); the message telling how it was decided redraws it.
 
 import { api, newIdempotencyKey } from "./api.js";
 import { h } from "./dom.js";
@@ -17,6 +20,7 @@ import { fullTime, shortTime } from "./format.js";
 import { gettext, interpolate } from "./i18n.js";
 import { renderMarkdown } from "./markdown.js";
 import { questionForm } from "./question_form.js";
+import { proposalCard } from "./proposal_card.js";
 import { openStream } from "./task_stream.js";
 
 const PAGE = 100;
@@ -53,6 +57,7 @@ export class ThreadView {
     this.failures = 0;
     this.notices = new Map(); // task id -> {after: message id, until: ms}
     this.questions = new Map(); // task id -> {slot, key, draft, answered}: the form under its newest asking message
+    this.proposals = new Map(); // proposal id -> its card
     this.stream = null;
     this.everLive = false;
     this.streamStatus = null;
@@ -259,6 +264,7 @@ export class ThreadView {
     if (stick || pending) this.scrollToEnd();
     if (message.task && message.role !== "user") this.callbacks.onTaskMessage(message.task);
     if (message.asks && message.task) this.askIn(element, message.task);
+    if (message.decides) this.proposals.get(message.decides.id)?.redraw(message.decides);
   }
 
   // --- questions ------------------------------------------------------------------------
@@ -327,7 +333,16 @@ export class ThreadView {
     h("div", { class: "message-meta" },
       h("span", { class: "author" }, mine ? gettext("You") : "Longhaul"),
       h("time", { datetime: message.created_at, title: fullTime(message.created_at) }, shortTime(message.created_at))),
-    body, footer);
+    body, this.proposalIn(message), footer);
+  }
+
+  /** The card of a proposal the message makes (null for any other message). */
+  proposalIn(message) {
+    if (!message.proposal || !this.threadId) return null;
+    // The thread tells what happened next: fetch it now rather than wait for the stream.
+    const card = proposalCard(this.threadId, message.proposal, { onDecided: () => this.refresh() });
+    this.proposals.set(message.proposal.id, card);
+    return h("div", { class: "message-proposal" }, card);
   }
 
   /** The newest assistant message about a task (its report, once the task is done). */

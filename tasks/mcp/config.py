@@ -10,6 +10,7 @@ The setting names a TOML or JSON file (by its extension):
     timeout_s = 30
     tenants = ["acme"]          # optional: only these tenants may use it
     redact = ["reports-worker-7"]  # optional: the server's own internal names, kept out of what users see
+    confirm = true              # optional: a call the model proposes waits for the user's yes (default true)
 
     [servers.render]
     transport = "stdio"
@@ -37,7 +38,7 @@ from django.core.exceptions import ImproperlyConfigured
 from tasks.mcp.client import ServerConfig
 
 KNOWN_FIELDS = {"transport", "url", "command", "cwd", "headers_from_env", "env_from_env", "timeout_s", "tenants",
-                "description", "title", "redact"}
+                "description", "title", "redact", "confirm"}
 TITLE_CHARS = 100
 
 
@@ -50,6 +51,9 @@ class Server:
     title: str = ""
     # Words the server says about itself (node names, internal hosts) that users must not see.
     redact: tuple[str, ...] = ()
+    # A tool call the model proposes waits for the user's confirmation: a quoted page or a remote
+    # tool's result can talk the model into calling. false trusts this server's tools to run unasked.
+    confirm: bool = True
 
     def __post_init__(self) -> None:
         if not self.title:
@@ -145,6 +149,9 @@ def _server(name: str, entry: Any) -> Server:
     redact = entry.get("redact", [])
     if not isinstance(redact, list) or not all(isinstance(w, str) and len(w.strip()) >= 2 for w in redact):
         raise bad("redact must be a list of words of at least 2 characters")
+    confirm = entry.get("confirm", True)
+    if not isinstance(confirm, bool):
+        raise bad("confirm must be true or false")
     if transport == "http":
         url = entry.get("url")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
@@ -163,7 +170,7 @@ def _server(name: str, entry: Any) -> Server:
     else:
         raise bad("transport must be \"http\" or \"stdio\"")
     return Server(config=config, tenants=frozenset(tenants), description=description, title=title.strip(),
-                  redact=tuple(w.strip() for w in redact))
+                  redact=tuple(w.strip() for w in redact), confirm=confirm)
 
 
 def _from_env(mapping: Any, field: str, bad: Any) -> Mapping[str, str]:
