@@ -212,7 +212,7 @@ SYSTEM = ("You are Longhaul's assistant. Long jobs run as background tasks; use 
 
 def _history(run: Run) -> list[dict[str, str]]:
     messages = list(Message.objects.filter(thread_id=run.thread_id, hidden=False).select_related("run")
-                    .order_by("-id")[:HISTORY])
+                    .order_by("-seq")[:HISTORY])
     history = [{"role": m.role if m.role != "tool" else "assistant", "content": _as_history(m)}
                for m in reversed(messages)]
     tasks_view = json.dumps([tools.project(t) for t in tools.thread_tasks(run.thread)])

@@ -124,12 +124,12 @@ class ThreadMessages(APIView):
         thread = get_thread(request, thread_id)
         after = _int_param(request, "after", 0, low=0, high=2**62)
         limit = _int_param(request, "limit", 100, low=1, high=MAX_MESSAGES_PAGE)
-        messages = list(Message.objects.filter(thread=thread, hidden=False, id__gt=after)
-                        .select_related("run").order_by("id")[:limit])
+        messages = list(Message.objects.filter(thread=thread, hidden=False, seq__gt=after)
+                        .select_related("run").order_by("seq")[:limit])
         busy = Run.objects.filter(thread=thread, status__in=runs.ACTIVE).exists()
         context = {"proposals": proposals_of(thread, messages)}
         return Response({"results": MessageSerializer(messages, many=True, context=context).data,
-                         "next_after": messages[-1].id if messages else after, "busy": busy})
+                         "next_after": messages[-1].seq if messages else after, "busy": busy})
 
     @extend_schema(request=PostMessageSerializer,
                    parameters=[THREAD_ID, IDEMPOTENCY_KEY_PARAMETER],

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import uuid
+from datetime import datetime
+from typing import Any
 
 from django.conf import settings
-from django.db import models
+from django.db import connection, models, transaction
 from django.db.models import Q
 from django.utils.translation import gettext
 
@@ -16,6 +18,10 @@ class Thread(models.Model):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="threads")
     title = models.CharField(max_length=200, blank=True)
     deleted = models.BooleanField(default=False)
+    message_seq = models.PositiveIntegerField(default=0, help_text="The seq of the thread's newest message.")
+    item_seq = models.PositiveIntegerField(default=0, help_text="The seq of the thread stream's newest item.")
+    item_marks = models.JSONField(default=dict, blank=True,
+                                  help_text="Per task id, the last event seq the thread stream has looked at.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -24,6 +30,22 @@ class Thread(models.Model):
 
     def __str__(self) -> str:
         return self.title or gettext("Untitled thread")
+
+
+def _next_message_seq(thread_id: int, *, at: datetime) -> int:
+    """Take the thread's next message seq, and mark the thread as just active.
+
+    The UPDATE locks the thread's row until the caller's transaction ends, so seqs
+    become visible in order: a reader that saw seq n never finds an n - 1 later.
+    """
+    table = connection.ops.quote_name(Thread._meta.db_table)
+    with connection.cursor() as cursor:
+        cursor.execute(f"UPDATE {table} SET message_seq = message_seq + 1, updated_at = %s WHERE id = %s "
+                       "RETURNING message_seq", [connection.ops.adapt_datetimefield_value(at), thread_id])
+        row = cursor.fetchone()
+    if row is None:
+        raise Thread.DoesNotExist(f"no thread {thread_id}")
+    return row[0]
 
 
 class Run(models.Model):
@@ -83,16 +105,48 @@ class Message(models.Model):
     hidden = models.BooleanField(default=False, help_text="Injected turns (task notifications), not shown.")
     run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.SET_NULL, related_name="messages")
     data = models.JSONField(default=dict, blank=True)
+    # Per thread, from 1 and without gaps: the API's message id and the page's cursor. A global id
+    # would tell every tenant how much everyone else writes.
+    seq = models.PositiveIntegerField(editable=False)
     created_at = models.DateTimeField()
 
     class Meta:
-        ordering = ["thread", "id"]
-        indexes = [models.Index(fields=["thread", "id"], name="message_thread_order_idx")]
+        ordering = ["thread", "seq"]
         constraints = [
+            # Also the index the message pages read (thread, seq > cursor).
+            models.UniqueConstraint(fields=["thread", "seq"], name="message_thread_seq_unique"),
             # One assistant message per run: a run replayed after a crash cannot say it twice.
             models.UniqueConstraint(fields=["run"], name="message_one_reply_per_run",
                                     condition=Q(role="assistant")),
         ]
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self._state.adding or self.seq is not None:
+            super().save(*args, **kwargs)
+            return
+        # The seq and the row commit together, or neither does: no gap, no seq taken twice.
+        with transaction.atomic():
+            self.seq = _next_message_seq(self.thread_id, at=self.created_at)
+            super().save(*args, **kwargs)
+
+
+class ThreadItem(models.Model):
+    """A status change of a task in the thread, numbered in the thread stream's own sequence.
+
+    Numbered by the stream's readers after the event has committed (chat.streams.number_new_items),
+    not by the task's writer: a writer would have to lock the thread in the middle of its own
+    transaction, behind locks taken in any order. Task events commit in their task's seq order,
+    so Thread.item_marks (per task, the last seq looked at) tells exactly which are still to number.
+    """
+
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="items")
+    seq = models.PositiveIntegerField()
+    event = models.OneToOneField("tasks.TaskEvent", on_delete=models.CASCADE, related_name="+")
+    task = models.ForeignKey("tasks.Task", on_delete=models.CASCADE, related_name="+")
+    task_seq = models.PositiveBigIntegerField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["thread", "seq"], name="thread_item_seq_unique")]
 
 
 class Proposal(models.Model):

@@ -81,7 +81,6 @@ def _propose(run: Run, n: int, action: str, arguments: dict[str, Any]) -> tools.
         if created:
             Message.objects.create(thread_id=run.thread_id, role=Message.Role.ASSISTANT, content=describe(proposal),
                                    data={"proposal": str(proposal.public_id)}, created_at=now)
-            Thread.objects.filter(pk=run.thread_id).update(updated_at=now)
             _wake(run.thread)
     return tools.ToolReply(_("Waiting for the user to confirm in the thread; nothing has run yet."),
                            {"proposed": str(proposal.public_id)})
@@ -118,7 +117,6 @@ def decide(proposal: Proposal, *, user: Any, decision: str) -> Proposal:
             status=status, decided_at=now, decided_by=user, outcome=reply.text[:OUTCOME_CHARS])
         Message.objects.create(thread_id=fresh.thread_id, role=Message.Role.ASSISTANT, content=reply.text,
                                data={**reply.data, "decides": str(fresh.public_id)}, created_at=now)
-        Thread.objects.filter(pk=fresh.thread_id).update(updated_at=now)
         AuditEntry.objects.create(tenant_id=fresh.tenant_id, actor=user, action=f"proposal.{decision}",
                                   target_type="proposal", target_id=str(fresh.public_id), at=now,
                                   details={"action": fresh.action, "error": bool(reply.data.get("error"))})

@@ -48,7 +48,6 @@ def start_run(thread: Thread, *, kind: str, user_text: str, hidden: bool, key: s
                                      created_at=now)
             Message.objects.create(thread=fresh, role=Message.Role.USER, content=user_text, hidden=hidden, run=run,
                                    data=data or {}, created_at=now)
-            Thread.objects.filter(pk=fresh.pk).update(updated_at=now)
             kicks.kick("run", run.pk)
     except IntegrityError:
         if key and (existing := Run.objects.filter(idempotency_key=key).first()) is not None:
@@ -159,7 +158,6 @@ def complete(run: Run, *, owner: str, reply: str, data: dict[str, Any], now: dat
             return False
         Message.objects.create(thread_id=run.thread_id, role=Message.Role.ASSISTANT, content=reply, run=run,
                                data=data, created_at=now)
-        Thread.objects.filter(pk=run.thread_id).update(updated_at=now)
         if run.kind == Run.Kind.NOTIFICATION and run.task_id:
             notifications.run_finished(run.task_id, run.task_version, now=now)
         transaction.on_commit(lambda: notifications.kick_pending_in_thread(run.thread_id))

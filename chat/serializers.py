@@ -70,6 +70,8 @@ class DecisionSerializer(serializers.Serializer):
 class MessageSerializer(serializers.ModelSerializer):
     """context["proposals"] (public id -> Proposal) saves a query per card; without it each is read."""
 
+    id = serializers.IntegerField(source="seq", read_only=True,
+                                  help_text="The message's number in its thread, from 1: the `after` cursor.")
     run = serializers.SerializerMethodField()
     task = serializers.SerializerMethodField()
     asks = serializers.SerializerMethodField()

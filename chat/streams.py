@@ -11,7 +11,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from chat.models import Thread
+from django.db import transaction
+from django.db.models import Q
+
+from chat.models import Thread, ThreadItem
 from tasks.models import Task, TaskEvent
 from tasks.serializers import EventSerializer
 from tasks.streams import Batch, Message
@@ -34,16 +37,53 @@ def thread_group_of(task: Task) -> str | None:
     return thread_group(task.thread.public_id) if task.thread_id else None
 
 
+def _new_events(thread_pk: int, marks: dict[str, int]) -> tuple[dict[str, int], list[tuple[int, int, int]]]:
+    """The thread's tasks with events after their mark, and the status changes among those events.
+
+    A task's `last_event_seq` commits with its events, so events up to the value read are all
+    visible: the marks move to those values, and no event is looked at twice. Returns (the new
+    marks of the tasks that moved, [(event id, task id, seq)] in id order).
+    """
+    moved = {str(pk): last for pk, last in Task.objects.filter(thread_id=thread_pk).values_list("pk", "last_event_seq")
+             if last > marks.get(str(pk), 0)}
+    if not moved:
+        return {}, []
+    # One index range per task that moved (event_task_seq_unique), usually one or two.
+    ranges = Q(pk__in=[])
+    for task_pk, last in moved.items():
+        ranges |= Q(task_id=int(task_pk), seq__gt=marks.get(task_pk, 0), seq__lte=last)
+    events = list(TaskEvent.objects.filter(ranges, kind__in=STATUS_CHANGE_KINDS).order_by("id")
+                  .values_list("pk", "task_id", "seq"))
+    return moved, events
+
+
+def number_new_items(thread_pk: int) -> int:
+    """Give the thread's newly committed status changes the next seqs of its stream. Returns how many.
+
+    Under the thread's row lock, so readers number each event once, one after the other: an
+    item is numbered only once it has committed, and every later one gets a higher seq, so a
+    reader that has passed seq n never finds a new item below it (a global event id, allocated
+    at insert, could commit after a higher one and be skipped).
+    """
+    marks = Thread.objects.values_list("item_marks", flat=True).get(pk=thread_pk)
+    if not _new_events(thread_pk, marks)[0]:  # the common case: nothing new, no lock taken
+        return 0
+    with transaction.atomic():
+        last, marks = Thread.objects.select_for_update().values_list("item_seq", "item_marks").get(pk=thread_pk)
+        moved, events = _new_events(thread_pk, marks)
+        if not moved:
+            return 0
+        ThreadItem.objects.bulk_create([
+            ThreadItem(thread_id=thread_pk, seq=last + n, event_id=pk, task_id=task_id, task_seq=task_seq)
+            for n, (pk, task_id, task_seq) in enumerate(events, start=1)])
+        Thread.objects.filter(pk=thread_pk).update(item_seq=last + len(events), item_marks={**marks, **moved})
+    return len(events)
+
+
 @dataclass(frozen=True)
 class ThreadStream:
-    """A chat thread's items: for now, the status changes of its tasks, by TaskEvent.id.
-
-    TaskEvent.id is allocated at insert, not at commit: on PostgreSQL two tasks committing
-    at once can become visible out of id order, and a reader that has passed the higher id
-    never sees the lower one. A thread stream can therefore (rarely) miss a status change,
-    which a task stream never does; the chat issue replaces this cursor with a gapless
-    per-thread seq when it adds messages.
-    """
+    """A chat thread's items: the status changes of its tasks, in the thread's own sequence
+    (ThreadItem.seq, from 1, per thread), each with its task and that task's event seq."""
 
     thread_pk: int
     public_id: uuid.UUID
@@ -65,15 +105,17 @@ class ThreadStream:
         return None  # a thread does not end
 
     def read_after(self, cursor: int, limit: int) -> Batch:
+        number_new_items(self.thread_pk)
         rows = list(
-            TaskEvent.objects.filter(task__thread_id=self.thread_pk, id__gt=cursor, kind__in=STATUS_CHANGE_KINDS)
-            .order_by("id")
-            .values("id", "seq", "kind", "status", "at", "data", "task__public_id")[:limit]
+            ThreadItem.objects.filter(thread_id=self.thread_pk, seq__gt=cursor)
+            .order_by("seq")
+            .values("seq", "task_seq", "event__kind", "event__status", "event__at", "event__data",
+                    "task__public_id")[:limit]
         )
-        items = []
-        for row, event in zip(rows, EventSerializer(rows, many=True).data):
-            items.append({**event, "seq": row["id"], "task": str(row["task__public_id"]), "task_seq": row["seq"]})
-        return Batch(items)
+        events = EventSerializer([{"seq": row["task_seq"], "kind": row["event__kind"], "status": row["event__status"],
+                                   "at": row["event__at"], "data": row["event__data"]} for row in rows], many=True).data
+        return Batch([{**event, "seq": row["seq"], "task": str(row["task__public_id"]), "task_seq": row["task_seq"]}
+                      for row, event in zip(rows, events)])
 
     def announced_seq(self, wakeup: Message) -> int | None:
-        return None  # a thread wake-up names no TaskEvent.id
+        return None  # a thread wake-up names no item seq

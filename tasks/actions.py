@@ -75,7 +75,7 @@ def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, 
                 tenant=tenant, owner=user, thread_id=submission.thread_id, kind=submission.kind, name=name,
                 input=task_input, budget=budget.as_dict(), priority=submission.priority,
                 status=TaskStatus.QUEUED, created_at=now, updated_at=now,
-                queue_deadline_at=now + timedelta(seconds=budget.queue_deadline_seconds),
+                queue_deadline_at=budget.queue_deadline(now),
                 code_version=settings.LONGHAUL_CODE_VERSION, schema_version=driver.schema_version,
             )
             if key:
@@ -133,6 +133,7 @@ def request_cancel(task: Task, *, user: Any, reason: str = "", keep_results: boo
                                               keep_results=keep_results)
             _audit(fresh, user, "task.cancel", now, {"reason": reason[:200], "keep_results": keep_results})
         _act_on_stop_request(fresh, now=now)
+    fresh.refresh_from_db()  # a task queued to cancel its remote work may have been admitted meanwhile
     return fresh
 
 
@@ -180,7 +181,8 @@ def resume(task: Task, *, user: Any, budget: Any = None) -> Task:
         new_budget = None
         if budget is not None:
             new_budget = Budget.parse({**fresh.budget, **_require_dict(budget, "budget")}).as_dict()
-        transitions.requeue(fresh, now=now, budget=new_budget, reason="resumed")
+        deadline = Budget.of(new_budget or fresh.budget).queue_deadline(now)
+        transitions.requeue(fresh, now=now, queue_deadline_at=deadline, budget=new_budget, reason="resumed")
         _audit(fresh, user, "task.resume", now, {"budget": new_budget} if new_budget else {})
     fresh.refresh_from_db()
     return fresh
@@ -244,7 +246,7 @@ def requeue_failed(task: Task, *, user: Any) -> Task:
             raise Conflict(f"a {fresh.status} task cannot be requeued", code="not_failed")
         previous = {"error_class": fresh.error_class, "error_message": fresh.error_message[:200],
                     "retries": fresh.retries, "step": fresh.current_step}
-        deadline = now + timedelta(seconds=Budget.of(fresh.budget).queue_deadline_seconds)
+        deadline = Budget.of(fresh.budget).queue_deadline(now)
         if not transitions.requeue_failed(fresh, now=now, queue_deadline_at=deadline):
             raise Conflict("the task changed while it was being requeued", code="changed")
         _audit(fresh, user, "task.requeue", now, previous)

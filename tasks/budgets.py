@@ -61,6 +61,10 @@ class Budget:
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
+    def queue_deadline(self, now: datetime) -> datetime:
+        """When a task queued now stops waiting for a slot (at submission, resume or requeue)."""
+        return now + timedelta(seconds=self.queue_deadline_seconds)
+
     def exhausted(self, *, steps_done: int, started_at: datetime | None, now: datetime) -> str | None:
         """Which budget is used up before the next step, if any."""
         if steps_done >= self.max_steps:

@@ -87,8 +87,10 @@ def stop_not_acted_on(now: datetime, limit: int) -> list[Task]:
         | Q(pause_requested_at__lt=grace, status__in=stoppable)
     unheld = Q(lease_owner="") | Q(lease_expires_at__lt=now)
     # Still waiting on calls (a remote cancel round, say): their completion makes it due, and it stops then.
+    # Queued to cancel its remote work: it waits for a slot, which rule `admission_missed` watches.
     return list(Task.objects.filter(asked, unheld)
                 .filter(Q(next_run_at__isnull=True) | ~Q(status__in=CLAIMABLE))
+                .exclude(status=S.QUEUED, waiting_reason=transitions.CANCEL_WAIT)
                 .exclude(_unfinished_ops_of_last_step())[:limit])
 
 

@@ -179,6 +179,9 @@ class Task(models.Model):
                          condition=Q(lease_owner="", next_run_at__isnull=True)
                          & (Q(status=TaskStatus.WAITING_TOOL)
                             | Q(status=TaskStatus.RUNNING, waiting_reason__in=["model", "tool"]))),
+            # scheduling.head_of_queue: tasks queued only to cancel their remote work go first.
+            models.Index(fields=["tenant", "updated_at", "id"], name="task_cancel_queued_idx",
+                         condition=Q(status=TaskStatus.QUEUED, waiting_reason="cancel")),
             # liveness.stop_not_acted_on: active tasks asked to cancel or pause.
             models.Index(fields=["id"], name="task_stop_requested_idx",
                          condition=(Q(cancel_requested_at__isnull=False) | Q(pause_requested_at__isnull=False))

@@ -22,6 +22,10 @@ The next task is chosen in this order (DESIGN §5):
    higher-priority tasks that arrive after it. Waiting is measured from
    `created_at` (the column task_queued_idx orders by).
 3. Waiting time: the older task, then the lower id.
+
+Within a tenant, a task queued only to cancel its remote work (its owner cancelled it
+while it held no slot) goes before all of these: telling the server to stop takes a
+slot, and the cancel is what frees the remote work the task holds.
 """
 
 from __future__ import annotations
@@ -212,7 +216,8 @@ def _rank(task: Task, *, now: datetime) -> tuple[int, datetime, int]:
 
 
 def head_of_queue(tenant_id: int, *, now: datetime) -> Task | None:
-    """The tenant's queued task with the highest effective priority, locked for admission.
+    """The tenant's queued task to cancel, else the one with the highest effective priority,
+    locked for admission.
 
     Aging never reorders tasks of one priority (the older is always ahead), so the
     head is the oldest task of one of the priority levels present. Those are found
@@ -221,11 +226,23 @@ def head_of_queue(tenant_id: int, *, now: datetime) -> Task | None:
     Rows locked by someone else (a cancel in flight) are skipped, not waited for:
     waiting here, under the admission lock, could deadlock with that transaction.
     """
+    cancelling = _cancel_waiting(tenant_id)
+    if cancelling is not None:
+        return cancelling
     ids = _level_head_ids(tenant_id)
     if not ids:
         return None
     heads = list(Task.objects.select_for_update(skip_locked=True).filter(pk__in=ids, status=TaskStatus.QUEUED))
     return min(heads, key=lambda t: _rank(t, now=now)) if heads else None
+
+
+def _cancel_waiting(tenant_id: int) -> Task | None:
+    """The tenant's oldest task queued only to cancel its remote work (transitions.queue_for_cancel):
+    it goes before any priority, since a cancel is the owner's wish to free what the task holds.
+    One probe into task_cancel_queued_idx."""
+    return (Task.objects.select_for_update(skip_locked=True)
+            .filter(tenant_id=tenant_id, status=TaskStatus.QUEUED, waiting_reason=transitions.CANCEL_WAIT)
+            .order_by("updated_at", "id").first())
 
 
 def _level_head_ids(tenant_id: int) -> list[int]:

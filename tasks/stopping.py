@@ -13,6 +13,7 @@ from tasks import kicks, transitions
 from tasks.drivers import Driver, get_driver, remote_cancelling
 from tasks.errors import InvalidInput, LeaseLost
 from tasks.models import Checkpoint, Task
+from tasks.statuses import HOLDS_SLOT, TaskStatus
 
 
 def latest_checkpoint(task: Task) -> Checkpoint | None:
@@ -28,11 +29,7 @@ def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) ->
         if remote is not None:
             checkpoint = latest_checkpoint(task)
             if remote.remote_to_cancel(task.pk, checkpoint.state if checkpoint else None):
-                won = transitions.stop_remote(task, now=now, token=token)
-                if token is not None:
-                    must_win(won)
-                if won:
-                    kicks.kick("advance", task.pk)
+                _stop_remote_work(task, now=now, token=token)
                 return
         partial = None
         if task.cancel_keep_results:
@@ -49,6 +46,19 @@ def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) ->
         won = transitions.pause(task, now=now, token=token)
     if token is not None:
         must_win(won)
+
+
+def _stop_remote_work(task: Task, *, now: datetime, token: int | None) -> None:
+    """Cancel rounds take a running slot: a task that holds one runs them now; one that holds none
+    (queued, paused, waiting for input) queues for one, first in its tenant (DESIGN §4 admission)."""
+    if task.status in HOLDS_SLOT:
+        won = transitions.stop_remote(task, now=now, token=token)
+        if token is not None:
+            must_win(won)
+        if won:
+            kicks.kick("advance", task.pk)
+    elif task.status != TaskStatus.QUEUED or task.waiting_reason != transitions.CANCEL_WAIT:
+        transitions.queue_for_cancel(task, now=now)  # admission kicks it when it gets its slot
 
 
 def driver_or_none(kind: str) -> Driver | None:

@@ -70,7 +70,10 @@ def kick_operations(now: datetime) -> int:
 
 def fail_queue_timeouts(now: datetime) -> int:
     count = 0
-    overdue = Task.objects.filter(status=TaskStatus.QUEUED, queue_deadline_at__lt=now)
+    # A task queued to cancel its remote work ends by that cancel, not by its queue deadline: failing it
+    # here would leave the remote work running.
+    overdue = (Task.objects.filter(status=TaskStatus.QUEUED, queue_deadline_at__lt=now)
+               .exclude(waiting_reason=transitions.CANCEL_WAIT))
     for task in overdue[: settings.LONGHAUL_SWEEP_BATCH]:
         with transaction.atomic():
             if transitions.fail(task, now=now, error_class=ErrorClass.QUEUE_TIMEOUT,

@@ -24,6 +24,8 @@ TOLD = frozenset({TaskStatus.WAITING_INPUT, TaskStatus.PARTIAL, TaskStatus.SUCCE
                   TaskStatus.CANCELLED})
 
 S = TaskStatus
+# waiting_reason of a task ending by a remote cancel: queued for its slot, then running the cancel rounds.
+CANCEL_WAIT = "cancel"
 NOT_HELD = Q(lease_owner="")
 
 
@@ -388,7 +390,24 @@ def stop_remote(task: Task, *, now: datetime, token: int | None = None) -> bool:
         now=now,
         token=token,
         guard=None if token is not None else _lease_free(now),
-        fields={**_released(), "next_run_at": now, "waiting_reason": "cancel", "attempts": 0,
+        fields={**_released(), "next_run_at": now, "waiting_reason": CANCEL_WAIT, "attempts": 0,
+                "fencing_token": task.fencing_token + 1},
+        events=[NewEvent("cancelling_remote", {})],
+    )
+
+
+def queue_for_cancel(task: Task, *, now: datetime) -> bool:
+    """queued, paused, waiting_input or partial -> queued, first in its tenant, to cancel the task's
+    remote work once admitted: telling the server takes a running slot like any step, so a task that
+    holds none waits for one (stop_remote is for a task that holds its slot). Only while nobody holds
+    the lease; the fencing token moves on, so a watch call still in flight can write nothing."""
+    return _move(
+        task,
+        S.QUEUED,
+        allowed_from=ACTIVE - HOLDS_SLOT,
+        now=now,
+        guard=_lease_free(now),
+        fields={**_released(), "next_run_at": None, "waiting_reason": CANCEL_WAIT,
                 "fencing_token": task.fencing_token + 1},
         events=[NewEvent("cancelling_remote", {})],
     )
@@ -412,9 +431,12 @@ def pause(task: Task, *, now: datetime, token: int | None = None) -> bool:
     )
 
 
-def requeue(task: Task, *, now: datetime, budget: dict[str, Any] | None = None, reason: str) -> bool:
-    """paused/partial -> queued: wait for admission again, from the last checkpoint."""
+def requeue(task: Task, *, now: datetime, queue_deadline_at: datetime, budget: dict[str, Any] | None = None,
+            reason: str) -> bool:
+    """paused/partial -> queued: wait for admission again, from the last checkpoint, with a queue deadline
+    counted from now (the one set at submission bounded a wait that is over)."""
     fields: dict[str, Any] = {
+        "queue_deadline_at": queue_deadline_at,
         "pause_requested_at": None, "pause_requested_by": None, "pause_reason": "",
         "cancel_requested_at": None, "cancel_requested_by": None, "cancel_reason": "",
         "cancel_keep_results": False, "finished_at": None, "next_run_at": None, "attempts": 0,

@@ -11,7 +11,7 @@ from datetime import datetime
 
 from django.db.models import Count
 
-from chat.models import Message, Run
+from chat.models import Message, Run, Thread
 from tasks.models import Operation, SleepEffect, Task, TaskEvent
 from tasks.statuses import TERMINAL, ErrorClass, NotificationStatus, OperationStatus, TaskStatus
 from tests.drill.stream import StreamWatcher
@@ -33,7 +33,8 @@ class Violation:
 
 def check_all(tenant_id: int, *, now: datetime, watchers: list[StreamWatcher]) -> list[Violation]:
     found: list[Violation] = []
-    for check in (tasks_end_as_expected, side_effects_once, events_gapless_and_ordered, notifications_told_once):
+    for check in (tasks_end_as_expected, side_effects_once, events_gapless_and_ordered, notifications_told_once,
+                  thread_seqs_gapless):
         found += check(tenant_id)
     found += no_stale_leases(tenant_id, now=now)
     found += liveness_holds(tenant_id, now=now)
@@ -122,6 +123,24 @@ def events_gapless_and_ordered(tenant_id: int) -> list[Violation]:
             found.append(Violation("the last event tells the task's status",
                                    f"task {task.pk}: last event #{mine[-1][0]} {mine[-1][1]} says {mine[-1][2]}, "
                                    f"the task is {task.status}"))
+    return found
+
+
+def thread_seqs_gapless(tenant_id: int) -> list[Violation]:
+    """Each thread numbers its messages 1..message_seq, and its stream items 1..item_seq after numbering
+    what is new (tasks are not deleted during a drill, so neither has a gap)."""
+    from chat.streams import number_new_items
+
+    found = []
+    for thread in Thread.objects.filter(tenant_id=tenant_id).order_by("pk"):
+        number_new_items(thread.pk)
+        thread.refresh_from_db()
+        for name, seqs, last in (
+                ("message", list(thread.messages.order_by("seq").values_list("seq", flat=True)), thread.message_seq),
+                ("stream item", list(thread.items.order_by("seq").values_list("seq", flat=True)), thread.item_seq)):
+            if seqs != list(range(1, last + 1)):
+                found.append(Violation(f"{name} seqs gapless per thread",
+                                       f"thread {thread.pk}: {_ranges(seqs)}, last {last}"))
     return found
 
 

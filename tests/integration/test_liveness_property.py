@@ -62,7 +62,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 import chat.agent
 from chat import jobs as chat_jobs
 from chat import runs
-from chat.models import Message, Run, Thread
+from chat.models import Message, Run, Thread, ThreadItem
+from chat.streams import STATUS_CHANGE_KINDS, number_new_items
 from tasks import actions, clock, kicks, leases, notifications, operations, runner, sweeper
 from tasks.errors import Conflict
 from tasks.models import Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, SleepEffect, Task, TaskEvent
@@ -109,7 +110,7 @@ QUIET_SWEEPS = 4
 
 # --- the world each example starts from ------------------------------------------------------------
 
-RUNTIME_TABLES = [Message, Run, Alert, SleepEffect, IdempotencyRecord, Operation, Checkpoint, TaskEvent, Task,
+RUNTIME_TABLES = [ThreadItem, Message, Run, Alert, SleepEffect, IdempotencyRecord, Operation, Checkpoint, TaskEvent, Task,
                   Thread, AuditEntry, OrmQ]
 
 
@@ -383,11 +384,15 @@ class Rows:
 def stranded_tasks(rows: Rows, now: datetime) -> list[str]:
     """DESIGN §4, read independently of tasks/liveness.py: a task that is not terminal has an unexpired
     lease, a due time, an unfinished call whose completion makes it due, or waits for a person; a
-    queued task waits only while its tenant or the system is at its running cap."""
+    queued task waits only while its tenant or the system is at its running cap, and no cap is exceeded."""
     waited_for = {(c["task_id"], c["step"]) for c in rows.calls}
     holding = Counter(t["tenant_id"] for t in rows.tasks if t["status"] in HOLDS_SLOT)
     all_holding = sum(holding.values())
-    problems = []
+    caps = {t["tenant_id"]: t["tenant__max_running"] for t in rows.tasks}
+    problems = [f"tenant {tenant} holds {n} running slots (cap {caps[tenant]})"
+                for tenant, n in holding.items() if n > caps[tenant]]
+    if all_holding > django_settings.LONGHAUL_MAX_RUNNING:
+        problems.append(f"all tenants hold {all_holding} running slots (cap {django_settings.LONGHAUL_MAX_RUNNING})")
     for t in rows.tasks:
         if t["status"] in TERMINAL | PERSON:
             continue
@@ -522,14 +527,40 @@ SELECT 'an attempt counter ran past its bound', 'task ' || id || ': ' || notific
 UNION ALL
 SELECT 'an attempt counter ran past its bound', 'chat run ' || id || ': ' || attempts || ' attempts'
   FROM chat_run WHERE attempts > %(max_attempts)s
+UNION ALL
+SELECT 'message seqs are not 1..message_seq', 'thread ' || t.id || ': ' || COUNT(m.id) || ' messages, highest '
+       || COALESCE(MAX(m.seq), 0) || ', message_seq ' || t.message_seq
+  FROM chat_thread t LEFT JOIN chat_message m ON m.thread_id = t.id
+ GROUP BY t.id, t.message_seq HAVING COUNT(m.id) <> t.message_seq OR COALESCE(MAX(m.seq), 0) <> t.message_seq
+UNION ALL
+SELECT 'thread stream items are not 1..item_seq', 'thread ' || t.id || ': ' || COUNT(i.id) || ' items, highest '
+       || COALESCE(MAX(i.seq), 0) || ', item_seq ' || t.item_seq
+  FROM chat_thread t LEFT JOIN chat_threaditem i ON i.thread_id = t.id
+ GROUP BY t.id, t.item_seq HAVING COUNT(i.id) <> t.item_seq OR COALESCE(MAX(i.seq), 0) <> t.item_seq
+UNION ALL
+SELECT 'a thread stream item came before an earlier event of its task',
+       'thread ' || w.thread_id || ' item ' || w.seq || ': task ' || w.task_id || ' event ' || w.task_seq
+  FROM (SELECT thread_id, seq, task_id, task_seq,
+               LAG(task_seq) OVER (PARTITION BY thread_id, task_id ORDER BY seq) AS before
+          FROM chat_threaditem) w
+ WHERE w.task_seq <= w.before
+UNION ALL
+SELECT 'a status change of a task in a thread is missing from its stream',
+       'task ' || e.task_id || ' event ' || e.seq || ' (' || e.kind || ')'
+  FROM tasks_taskevent e JOIN tasks_task t ON t.id = e.task_id
+ WHERE t.thread_id IS NOT NULL AND e.kind = ANY(%(status_kinds)s)
+   AND NOT EXISTS (SELECT 1 FROM chat_threaditem i WHERE i.event_id = e.id)
 """
 
 
 def record_problems(remote_calls: RemoteCalls) -> list[str]:
+    for thread_pk in Thread.objects.values_list("pk", flat=True):
+        number_new_items(thread_pk)  # what a reader of the thread stream does first
     with connection.cursor() as cursor:
         cursor.execute(CONSISTENCY_SQL, {
             "gone": NOT_RUN_FAILURES[0] + "%", "busy": NOT_RUN_FAILURES[1] + "%",
-            "max_failures": notifications.MAX_FAILURES, "max_attempts": django_settings.LONGHAUL_MAX_ATTEMPTS})
+            "max_failures": notifications.MAX_FAILURES, "max_attempts": django_settings.LONGHAUL_MAX_ATTEMPTS,
+            "status_kinds": sorted(STATUS_CHANGE_KINDS)})
         problems = [f"{rule}: {detail}" for rule, detail in cursor.fetchall()]
     problems += [f"operation {key} was executed {n} times" for key, n in FAULTS.executions.items() if n > 1]
     return problems + remote_calls.duplicates()

@@ -19,7 +19,8 @@ from chat.models import Message, Thread
 from tasks import actions, clock, jobs, operations
 from tasks.mcp import client
 from tasks.models import Checkpoint, Operation, Task, TaskEvent
-from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
+from tasks.statuses import HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
+from tests.factories import submit_sleep
 from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, calls, write_servers_file
 from tests.integration.chatting import run_queued
 
@@ -310,6 +311,38 @@ def test_cancel_while_waiting_for_input_cancels_the_remote_task(http_remote, acm
     task = follow(task)
     assert task.status == TaskStatus.CANCELLED
     assert client.get_task(http_remote.config, remote_id(task)).status == "cancelled"
+
+
+def _holding_slots(tenant) -> int:
+    return Task.objects.filter(tenant=tenant, status__in=sorted(HOLDS_SLOT)).count()
+
+
+@pytest.mark.parametrize("stopped", ["waiting_input", "paused"])
+def test_a_cancel_that_must_reach_the_remote_waits_for_a_slot_of_its_tenant(http_remote, acme, alice, stopped):
+    """Cancelling a task that holds no slot but has remote work running needs a slot to tell the server:
+    it queues for one, first in its tenant, and never runs beside a full tenant's tasks."""
+    acme.max_running = 1
+    acme.save(update_fields=["max_running"])
+    task = follow(submit(acme, alice, "approval_job", seconds=0.3),
+                  until=lambda t: t.status == TaskStatus.WAITING_INPUT)
+    if stopped == "paused":
+        task = follow(actions.request_pause(task, user=alice), until=lambda t: t.status == TaskStatus.PAUSED)
+    older = submit_sleep(acme, alice, steps=1)  # takes the tenant's one slot
+    waiting = submit_sleep(acme, alice, steps=1)  # queued before the cancel
+    assert [older.status, waiting.status] == [TaskStatus.RUNNING, TaskStatus.QUEUED]
+
+    task = actions.request_cancel(task, user=alice)
+    assert task.status == TaskStatus.QUEUED
+    assert _holding_slots(acme) == 1
+
+    actions.request_cancel(older, user=alice)  # frees the slot: the cancel goes before the queued task
+    task = follow(task)
+    assert task.status == TaskStatus.CANCELLED
+    assert client.get_task(http_remote.config, remote_id(task)).status == "cancelled"
+    waiting.refresh_from_db()
+    assert waiting.status == TaskStatus.RUNNING
+    assert TaskEvent.objects.filter(task=task, kind="admitted").latest("seq").at \
+        < TaskEvent.objects.get(task=waiting, kind="admitted").at
 
 
 def test_a_server_that_ignores_cancel_still_ends_the_task_cancelled(http_remote, acme, alice, settings):

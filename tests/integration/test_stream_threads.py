@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 
 import pytest
 from channels.db import database_sync_to_async
 from channels.layers import get_channel_layer
+from django.db import connection, transaction
 
 from chat.models import Thread
-from chat.streams import thread_group
-from tasks.models import TaskEvent
+from chat.streams import ThreadStream, thread_group
+from tasks import clock, events
+from tasks.events import NewEvent
 from tasks.statuses import TaskStatus
 from tasks.streams import CloseCode
 from tests.factories import make_task
@@ -31,11 +34,6 @@ def thread_path(thread: Thread, after: int = 0) -> str:
     return f"/ws/threads/{thread.public_id}/?after={after}"
 
 
-def status_change_ids(thread: Thread) -> list[int]:
-    return list(TaskEvent.objects.filter(task__thread=thread).exclude(kind="step_done")
-                .order_by("id").values_list("id", flat=True))
-
-
 async def test_it_replays_the_status_changes_of_the_threads_tasks_in_cursor_order(acme, alice, alice_cookie, thread):
     first = await database_sync_to_async(make_task)(acme, alice, status=TaskStatus.RUNNING, thread=thread)
     second = await database_sync_to_async(make_task)(acme, alice, status=TaskStatus.RUNNING, thread=thread)
@@ -44,12 +42,11 @@ async def test_it_replays_the_status_changes_of_the_threads_tasks_in_cursor_orde
         await database_sync_to_async(append_events)(task, 1, kind="admitted")
         await database_sync_to_async(append_events)(task, 2)  # progress: not a status change
     await database_sync_to_async(append_events)(second, 1, kind="succeeded", status=TaskStatus.SUCCEEDED)
-    expected = await database_sync_to_async(status_change_ids)(thread)
     comm = await connected(stream(thread_path(thread), alice_cookie))
     received = [await frame(comm) for _ in range(3)]
     assert await comm.receive_nothing(timeout=0.2), "progress and other threads' tasks stay out"
     await comm.disconnect()
-    assert [m["seq"] for m in received] == expected
+    assert [m["seq"] for m in received] == [1, 2, 3], "numbered in the thread, whatever other threads hold"
     assert [(m["task"], m["task_seq"], m["kind"]) for m in received] == [
         (str(first.public_id), 1, "admitted"), (str(second.public_id), 1, "admitted"),
         (str(second.public_id), 4, "succeeded"),
@@ -69,6 +66,36 @@ async def test_it_follows_the_thread_on_a_wakeup(acme, alice, alice_cookie, thre
     await comm2.disconnect()
     assert live == resumed
     assert live["kind"] == "paused" and live["seq"] > cursor and live["status"] == "paused"
+
+
+def test_a_status_change_that_commits_after_a_later_one_is_still_streamed(acme, alice, thread):
+    """Two tasks of the thread change status at once; the one that started first commits last. A reader
+    that read in between must still get it after its cursor (by event id it would be skipped for good)."""
+    first = make_task(acme, alice, status=TaskStatus.RUNNING, thread=thread)
+    second = make_task(acme, alice, status=TaskStatus.RUNNING, thread=thread)
+    stream = ThreadStream(thread.pk, thread.public_id)
+    started, release = threading.Event(), threading.Event()
+
+    def slow_commit() -> None:
+        try:
+            with transaction.atomic():
+                events.append(first, [NewEvent("paused", {})], status=TaskStatus.PAUSED, at=clock.now())
+                started.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    writer = threading.Thread(target=slow_commit)
+    writer.start()
+    assert started.wait(10)
+    append_events(second, 1, kind="succeeded", status=TaskStatus.SUCCEEDED)  # a higher event id, committed first
+    seen = stream.read_after(0, 100).items
+    assert [(m["seq"], m["kind"]) for m in seen] == [(1, "succeeded")]
+    release.set()
+    writer.join(10)
+    later = stream.read_after(seen[-1]["seq"], 100).items
+    assert [(m["seq"], m["task"], m["kind"]) for m in later] == [(2, str(first.public_id), "paused")]
+    assert stream.read_after(0, 100).items == [*seen, *later], "numbers are kept, not given again"
 
 
 @pytest.fixture(params=["bob", "charlie"])

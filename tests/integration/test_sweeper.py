@@ -8,7 +8,7 @@ import pytest
 import time_machine
 from django_q.models import OrmQ
 
-from tasks import clock, leases, sweeper
+from tasks import actions, clock, leases, sweeper
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
 from tasks.statuses import TaskStatus
 from tests.factories import make_task, submit_sleep
@@ -47,6 +47,37 @@ def test_it_fails_tasks_that_waited_past_their_queue_deadline(acme, alice):
     assert task.status == S.FAILED
     assert task.error_class == "queue_timeout"
     assert "deadline" in task.error_message
+
+
+def test_a_resumed_task_gets_a_new_queue_deadline_from_its_resume(acme, alice):
+    """The queue deadline bounds a wait for a slot; a task paused for longer than that and resumed has
+    only just started waiting."""
+    acme.max_running = 1
+    acme.save()
+    submit_sleep(acme, alice)  # holds the slot
+    task = actions.request_pause(submit_sleep(acme, alice), user=alice)
+    assert task.status == S.PAUSED
+    resumed_at = task.queue_deadline_at + timedelta(hours=1)
+    with time_machine.travel(resumed_at, tick=False):
+        actions.resume(task, user=alice)
+        assert sweeper.run_once(now=clock.now())["queue_timeouts"] == 0
+    task.refresh_from_db()
+    assert task.status == S.QUEUED
+    assert task.queue_deadline_at > resumed_at
+    with time_machine.travel(task.queue_deadline_at + timedelta(seconds=1), tick=False):
+        assert sweeper.run_once(now=clock.now())["queue_timeouts"] == 1
+
+
+def test_a_task_queued_to_cancel_its_remote_work_is_left_to_its_cancel(acme, alice):
+    acme.max_running = 0
+    acme.save()
+    task = make_task(acme, alice, kind="mcp", waiting_reason="cancel", cancel_requested_at=clock.now(),
+                     queue_deadline_at=clock.now() - timedelta(seconds=1))
+    counts = sweeper.run_once(now=clock.now())
+    assert counts["queue_timeouts"] == 0
+    assert counts["liveness_repairs"] == 0
+    task.refresh_from_db()
+    assert task.status == S.QUEUED
 
 
 def test_it_admits_queued_tasks_when_slots_are_free_and_says_so(acme, alice):

@@ -30,7 +30,7 @@ def _call(name: str, task: Task, token: int | None = None):
         "fail": lambda: transitions.fail(task, now=now, error_class="permanent", message="m"),
         "cancel": lambda: transitions.cancel(task, now=now),
         "pause": lambda: transitions.pause(task, now=now),
-        "requeue": lambda: transitions.requeue(task, now=now, reason="r"),
+        "requeue": lambda: transitions.requeue(task, now=now, queue_deadline_at=now, reason="r"),
     }
     with transaction.atomic():
         return calls[name]()
