@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 
@@ -42,7 +43,7 @@ def envint(name: str, default: int, *, minimum: int | None = None, maximum: int 
     return value
 
 
-def envfloat(name: str, default: float, *, minimum: float | None = None) -> float:
+def envfloat(name: str, default: float, *, minimum: float | None = None, maximum: float | None = None) -> float:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -50,8 +51,12 @@ def envfloat(name: str, default: float, *, minimum: float | None = None) -> floa
         value = float(raw)
     except ValueError:
         raise ImproperlyConfigured(f"{name} must be a number, got {raw!r}") from None
+    if not math.isfinite(value):
+        raise ImproperlyConfigured(f"{name} must be a finite number, got {raw!r}")
     if minimum is not None and value < minimum:
         raise ImproperlyConfigured(f"{name} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ImproperlyConfigured(f"{name} must be at most {maximum}, got {value}")
     return value
 
 

@@ -319,6 +319,9 @@ LONGHAUL_STEP_SLICE_MS = envint("LONGHAUL_STEP_SLICE_MS", 200, minimum=0)
 LONGHAUL_IDEMPOTENCY_TTL = envint("LONGHAUL_IDEMPOTENCY_TTL", 24 * 3600, minimum=1)
 LONGHAUL_MAX_RUNNING = envint("LONGHAUL_MAX_RUNNING", 50, minimum=1)
 LONGHAUL_MAX_QUEUED = envint("LONGHAUL_MAX_QUEUED", 10_000, minimum=1)
+# Past this share of a queue's cap (a tenant's max_queued, or LONGHAUL_MAX_QUEUED), submissions below the
+# queue's median priority are refused (429) so that the last places go to higher priorities.
+LONGHAUL_SHED_THRESHOLD = envfloat("LONGHAUL_SHED_THRESHOLD", 0.8, minimum=0.01, maximum=1.0)
 # The highest Tenant.weight anyone may set: a tenant admin edits their own tenant's quotas.
 LONGHAUL_MAX_TENANT_WEIGHT = envint("LONGHAUL_MAX_TENANT_WEIGHT", 10, minimum=1)
 LONGHAUL_SWEEP_BATCH = envint("LONGHAUL_SWEEP_BATCH", 500, minimum=1)

@@ -70,7 +70,7 @@ def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, 
                 replay = _replay(tenant, user, key, submission.kind, request_digest, now=now)
                 if replay is not None:
                     return replay, False
-            scheduling.check_queue_capacity(tenant)
+            scheduling.check_queue_capacity(tenant, priority=submission.priority)
             task = Task.objects.create(
                 tenant=tenant, owner=user, thread_id=submission.thread_id, kind=submission.kind, name=name,
                 input=task_input, budget=budget.as_dict(), priority=submission.priority,
@@ -86,7 +86,7 @@ def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, 
             transitions.enqueue_new(task, now=now, events=[NewEvent("queued", {"kind": task.kind})])
     except QuotaExceeded as exc:
         # Recorded after the rollback, in a transaction of its own, so that the refusal leaves a trace.
-        scheduling.record_rejection(tenant, user_id=_user_id(user), reason=str(exc), now=clock.now())
+        scheduling.record_rejection(tenant, user_id=_user_id(user), reason=str(exc), rule=exc.rule, now=clock.now())
         raise
     except IntegrityError:
         # Another request with the same key committed first; its task is the answer.

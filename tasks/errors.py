@@ -37,9 +37,12 @@ class InvalidInput(LonghaulError):
 
 
 class QuotaExceeded(LonghaulError):
-    def __init__(self, message: str, *, retry_after: int) -> None:
+    """A submission refused for a full queue (429). `rule` names which limit refused it."""
+
+    def __init__(self, message: str, *, retry_after: int, rule: str = "queue_full") -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.rule = rule
 
 
 class StepError(LonghaulError):

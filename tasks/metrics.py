@@ -205,11 +205,12 @@ def admission_metrics(tenants: Tenants, *, now: datetime) -> Iterator[Metric]:
     yield waits
 
     refused = GaugeMetricFamily("longhaul_queue_rejections_recent",
-                                f"Submissions refused with 429 in the last {int(WINDOW.total_seconds())} s.",
-                                labels=["tenant"])
+                                f"Submissions refused with 429 in the last {int(WINDOW.total_seconds())} s, by the "
+                                f"rule that refused them (tenant_queue_full, system_queue_full, shed_low_priority).",
+                                labels=["tenant", "rule"])
     rows = AuditEntry.objects.filter(action=scheduling.REJECTED, at__gte=now - WINDOW)
-    for tenant_id, n in _count_by_tenant(rows).items():
-        refused.add_metric([_slug(tenants, tenant_id)], n)
+    for (tenant_id, rule), n in _count_by(rows, "tenant_id", rule=KT("details__rule")).items():
+        refused.add_metric([_slug(tenants, tenant_id), rule or "queue_full"], n)
     yield refused
 
 

@@ -37,7 +37,7 @@ from fractions import Fraction
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, Exists, F, OuterRef, Subquery
+from django.db.models import Count, Exists, F, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
 from tasks import kicks, transitions
@@ -57,29 +57,62 @@ _SLOT_STATUSES = sorted(HOLDS_SLOT)
 # --- backpressure -----------------------------------------------------------------
 
 
-def check_queue_capacity(tenant: Tenant) -> None:
+def check_queue_capacity(tenant: Tenant, *, priority: int = 0) -> None:
     """Refuse a submission up front (429) rather than time it out later.
 
+    Past LONGHAUL_SHED_THRESHOLD of a queue's cap, a submission whose priority is below
+    the median of that queue is refused too (rule "shed_low_priority"), so the places
+    left go to the higher priorities; at the cap, everything is refused.
     A soft cap: two submissions racing for the last place may both get it.
     """
-    queued = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED).count()
+    tenant_queue = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED)
+    queued = tenant_queue.count()
     if queued >= tenant.max_queued:
         raise QuotaExceeded(
             f"tenant {tenant.slug} already has {queued} queued tasks (limit {tenant.max_queued})",
-            retry_after=QUEUE_FULL_RETRY_AFTER,
+            retry_after=QUEUE_FULL_RETRY_AFTER, rule="tenant_queue_full",
         )
-    if Task.objects.filter(status=TaskStatus.QUEUED).count() >= settings.LONGHAUL_MAX_QUEUED:
-        raise QuotaExceeded("the system queue is full", retry_after=QUEUE_FULL_RETRY_AFTER)
+    _shed_below_median(tenant_queue, queued, tenant.max_queued, priority, f"tenant {tenant.slug}'s queue")
+    system_queue = Task.objects.filter(status=TaskStatus.QUEUED)
+    all_queued = system_queue.count()
+    if all_queued >= settings.LONGHAUL_MAX_QUEUED:
+        raise QuotaExceeded("the system queue is full", retry_after=QUEUE_FULL_RETRY_AFTER, rule="system_queue_full")
+    _shed_below_median(system_queue, all_queued, settings.LONGHAUL_MAX_QUEUED, priority, "the system queue")
 
 
-def record_rejection(tenant: Tenant, *, user_id: int | None, reason: str, now: datetime) -> None:
+def _shed_below_median(queue: QuerySet[Task], queued: int, cap: int, priority: int, which: str) -> None:
+    if queued < cap * settings.LONGHAUL_SHED_THRESHOLD:
+        return
+    median = median_priority(queue)
+    if median is not None and priority < median:
+        raise QuotaExceeded(
+            f"{which} is {100 * queued // cap}% full ({queued} of {cap}): only priority {median} or higher "
+            f"is accepted until it drains (this task's priority is {priority})",
+            retry_after=QUEUE_FULL_RETRY_AFTER, rule="shed_low_priority",
+        )
+
+
+def median_priority(queue: QuerySet[Task]) -> int | None:
+    """The median priority of queued tasks (the lower middle of an even count), from one count per
+    priority level (at most 21) instead of the tasks themselves."""
+    levels = list(queue.order_by("priority").values_list("priority").annotate(n=Count("*")))
+    total = sum(n for _, n in levels)
+    seen = 0
+    for level, n in levels:
+        seen += n
+        if 2 * seen >= total:
+            return level
+    return None
+
+
+def record_rejection(tenant: Tenant, *, user_id: int | None, reason: str, rule: str, now: datetime) -> None:
     """Count a refused submission and alert operators, at most once per tenant per hour.
 
     Call it after the refused submission's transaction rolled back, or it is rolled back too.
     """
     with transaction.atomic():
         AuditEntry.objects.create(tenant=tenant, actor_id=user_id, action=REJECTED, target_type="tenant",
-                                  target_id=tenant.slug, details={"reason": reason[:500]}, at=now)
+                                  target_id=tenant.slug, details={"reason": reason[:500], "rule": rule}, at=now)
         if _rejection_alert_raised(tenant.pk, now=now):
             return
         # Double-checked under the tenant row lock, so concurrent refusals raise one alert.

@@ -162,14 +162,14 @@ def test_it_exposes_takeovers_retries_dead_letters_and_refusals(acme, alice, glo
                       NewEvent("retry_scheduled", {"error_class": "timeout"})], status=S.RUNNING, at=now)
     make_task(acme, alice, status=S.RUNNING, lease_owner="dead:1", lease_expires_at=now - timedelta(seconds=5))
     make_task(globex, charlie, status=S.SUCCEEDED, notification_status=NotificationStatus.DEAD_LETTER)
-    scheduling.record_rejection(acme, user_id=alice.pk, reason="full", now=now)
+    scheduling.record_rejection(acme, user_id=alice.pk, reason="full", rule="tenant_queue_full", now=now)
     found = samples(scrape(**bearer(TOKEN)))
     assert value(found, "longhaul_lease_takeovers_recent", tenant="acme") == 1
     assert value(found, "longhaul_leases_expired", tenant="acme") == 1
     assert value(found, "longhaul_retries_recent", tenant="acme", error_class="rate_limited") == 2
     assert value(found, "longhaul_retries_recent", tenant="acme", error_class="timeout") == 1
     assert value(found, "longhaul_notification_dead_letters", tenant="globex") == 1
-    assert value(found, "longhaul_queue_rejections_recent", tenant="acme") == 1
+    assert value(found, "longhaul_queue_rejections_recent", tenant="acme", rule="tenant_queue_full") == 1
 
 
 def test_it_counts_liveness_repairs_by_rule(acme, alice):

@@ -33,16 +33,21 @@ def test_over_the_system_queue_cap_it_answers_429_and_writes_nothing(alice_api, 
     assert not IdempotencyRecord.objects.filter(key="b").exists()
 
 
+def refuse(tenant, user_id) -> None:
+    scheduling.record_rejection(tenant, user_id=user_id, reason="the system queue is full", rule="system_queue_full",
+                                now=clock.now())
+
+
 def test_a_refusal_is_audited_and_alerts_at_most_once_per_tenant_per_hour(acme, globex, alice):
     start = clock.now()
     with time_machine.travel(start, tick=False) as traveller:
         for _ in range(3):
-            scheduling.record_rejection(acme, user_id=alice.pk, reason="the system queue is full", now=clock.now())
+            refuse(acme, alice.pk)
             traveller.shift(timedelta(minutes=20))
-        scheduling.record_rejection(globex, user_id=None, reason="quota", now=clock.now())
+        scheduling.record_rejection(globex, user_id=None, reason="quota", rule="tenant_queue_full", now=clock.now())
         assert Alert.objects.filter(kind=Alert.Kind.QUOTA_REJECTIONS, tenant=acme).count() == 1
         traveller.shift(timedelta(minutes=1))  # 61 minutes after acme's first alert
-        scheduling.record_rejection(acme, user_id=alice.pk, reason="the system queue is full", now=clock.now())
+        refuse(acme, alice.pk)
     assert Alert.objects.filter(kind=Alert.Kind.QUOTA_REJECTIONS, tenant=acme).count() == 2
     assert Alert.objects.filter(kind=Alert.Kind.QUOTA_REJECTIONS, tenant=globex).count() == 1
     assert AuditEntry.objects.filter(action=scheduling.REJECTED, tenant=acme).count() == 4
@@ -55,3 +60,55 @@ def test_a_refused_submission_is_counted_and_alerted(alice_api, acme):
     assert submit(alice_api, key="b").status_code == 429
     assert AuditEntry.objects.filter(action=scheduling.REJECTED, tenant=acme).count() == 1
     assert Alert.objects.filter(kind=Alert.Kind.QUOTA_REJECTIONS, tenant=acme).count() == 1
+
+
+# --- shedding by priority ---------------------------------------------------------------------------
+
+
+def submit_at(client, key: str, priority: int):
+    return client.post("/api/tasks", {**SLEEP, "priority": priority}, format="json", HTTP_IDEMPOTENCY_KEY=key)
+
+
+def test_near_its_cap_a_tenants_queue_refuses_priorities_below_its_median_first(alice_api, acme, alice):
+    Tenant.objects.filter(pk=acme.pk).update(max_running=0, max_queued=10)  # shedding from 8 queued (80%)
+    for priority in (0, 0, 5, 5, 5, 5, 5):
+        make_task(acme, alice, priority=priority)
+    assert submit_at(alice_api, "below-threshold", -10).status_code == 201  # 7 queued: everything goes
+
+    refused = submit_at(alice_api, "low", 0)  # 8 queued: the median is 5
+    assert refused.status_code == 429, refused.content
+    assert refused.json()["code"] == "queue_full"
+    assert "priority 5 or higher" in refused.json()["error"]
+    assert int(refused["Retry-After"]) > 0
+    assert not IdempotencyRecord.objects.filter(key="low").exists()
+    [entry] = AuditEntry.objects.filter(action=scheduling.REJECTED)
+    assert entry.details["rule"] == "shed_low_priority"
+
+    assert submit_at(alice_api, "median", 5).status_code == 201
+    assert submit_at(alice_api, "high", 9).status_code == 201
+    at_cap = submit_at(alice_api, "highest", 10)  # 10 queued: the cap refuses every priority
+    assert at_cap.status_code == 429
+    assert AuditEntry.objects.filter(action=scheduling.REJECTED).latest("at").details["rule"] == "tenant_queue_full"
+    assert Task.objects.filter(tenant=acme).count() == 10
+
+
+def test_near_the_system_cap_low_priorities_are_refused_across_tenants(alice_api, acme, globex, charlie, settings):
+    settings.LONGHAUL_MAX_QUEUED = 10
+    settings.LONGHAUL_SHED_THRESHOLD = 0.5
+    Tenant.objects.update(max_running=0)
+    for priority in (3, 3, 3, 3, 0):
+        make_task(globex, charlie, priority=priority)  # another tenant fills half the system queue
+    refused = submit_at(alice_api, "low", 2)
+    assert refused.status_code == 429
+    assert "the system queue" in refused.json()["error"]
+    assert submit_at(alice_api, "as-high-as-most", 3).status_code == 201
+
+
+def test_the_median_of_a_queue_is_its_lower_middle_priority(acme, alice):
+    queue = Task.objects.filter(tenant=acme, status="queued")
+    assert scheduling.median_priority(queue) is None
+    for priority in (-2, 7, 7, 1):
+        make_task(acme, alice, priority=priority)
+    assert scheduling.median_priority(queue) == 1
+    make_task(acme, alice, priority=7)
+    assert scheduling.median_priority(queue) == 7

@@ -71,6 +71,17 @@ def test_it_reads_floats_and_refuses_bad_ones_naming_the_variable(monkeypatch):
     monkeypatch.setenv("LH_FLOAT", "-1")
     with pytest.raises(ImproperlyConfigured, match="LH_FLOAT must be at least 0"):
         envfloat("LH_FLOAT", 1.0, minimum=0.0)
+    monkeypatch.setenv("LH_FLOAT", "1.5")
+    with pytest.raises(ImproperlyConfigured, match="LH_FLOAT must be at most 1"):
+        envfloat("LH_FLOAT", 0.8, minimum=0.01, maximum=1.0)
+
+
+@pytest.mark.parametrize("raw", ["nan", "inf", "-inf"])
+def test_it_refuses_a_float_that_is_not_finite(monkeypatch, raw):
+    """NaN passes every bound (each comparison is false), so it is refused first."""
+    monkeypatch.setenv("LH_FLOAT", raw)
+    with pytest.raises(ImproperlyConfigured, match="LH_FLOAT must be a finite number"):
+        envfloat("LH_FLOAT", 0.8, minimum=0.01, maximum=1.0)
 
 
 def test_it_splits_lists_on_commas_and_drops_blanks(monkeypatch):
