@@ -9,7 +9,7 @@ with nothing to do raises Conflict with a code the caller turns into a message.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -77,6 +77,7 @@ def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, 
                 status=TaskStatus.QUEUED, created_at=now, updated_at=now,
                 queue_deadline_at=budget.queue_deadline(now),
                 code_version=settings.LONGHAUL_CODE_VERSION, schema_version=driver.schema_version,
+                **asdict(driver.pins()),
             )
             if key:
                 IdempotencyRecord.objects.create(

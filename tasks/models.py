@@ -258,6 +258,8 @@ class Operation(models.Model):
     not_before = models.DateTimeField(null=True, blank=True,
                                       help_text="Not run before this time (a remote job's next poll); None: at once.")
     usage = models.JSONField(default=dict, blank=True)
+    version = models.CharField(max_length=200, blank=True,
+                               help_text="The model (with the prompts' version) or the tool protocol that ran it.")
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     created_at = models.DateTimeField(null=True, blank=True)

@@ -352,7 +352,7 @@ def retries_left(task_id: int) -> int:
 
 
 def record(op_id: int, *, owner: str, result: Any = None, error: StepError | None = None,
-           usage: dict[str, Any] | None = None, retries_used: int = 0) -> bool:
+           usage: dict[str, Any] | None = None, retries_used: int = 0, version: str = "") -> bool:
     """Store an operation's outcome; if it was its step's last, make the task's next step due."""
     now = clock.now()
     return _finish(op_id, guard=Q(status=OperationStatus.STARTED, lease_owner=owner), retries_used=retries_used,
@@ -361,7 +361,8 @@ def record(op_id: int, *, owner: str, result: Any = None, error: StepError | Non
                        "result": None if error else result,
                        "error_class": error.error_class if error else "",
                        "error_message": str(error)[:2000] if error else "",
-                       "usage": usage or {}, "finished_at": now, "lease_owner": "", "lease_expires_at": None,
+                       "usage": usage or {}, "version": version[:200], "finished_at": now, "lease_owner": "",
+                       "lease_expires_at": None,
                    })
 
 
@@ -455,6 +456,31 @@ async def _execute(op: Operation, *, client: Any, budget: Any) -> tuple[Any, dic
     return await run_tool(ToolCall(op.name, op.args), client=client, budget=budget), {}
 
 
+def version_of(op: Operation, usage: dict[str, Any]) -> str:
+    """What ran the call: the model that answered (else the configured one) with the prompts' version,
+    or the protocol of the tool or MCP server."""
+    if op.kind == "mcp":
+        from tasks.mcp.client import TOOL_PROTOCOL as MCP_PROTOCOL
+
+        return MCP_PROTOCOL
+    if op.kind == "model":
+        from django.core.exceptions import ImproperlyConfigured
+
+        from tasks.gateway.providers import PROMPT_VERSION, model_label
+
+        try:
+            label = model_label()
+        except ImproperlyConfigured:  # the call itself failed on it; recording its outcome must not
+            label = "model:misconfigured"
+        answered = usage.get("model")
+        if isinstance(answered, str) and answered and not label.endswith(f":{answered}"):
+            label = f"{label.split(':', 1)[0]}:{answered}"
+        return f"{label} prompts/{PROMPT_VERSION}"
+    from tasks.gateway.tools import TOOL_PROTOCOL
+
+    return f"{op.name} {TOOL_PROTOCOL}"
+
+
 async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
     from tasks.gateway.retry import RetryBudget
 
@@ -478,7 +504,7 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
     usage = {**(usage or {}), "duration_ms": int((time.monotonic() - started) * 1000)}
     try:
         await sync_to_async(record)(op.pk, owner=owner, result=result, error=error, usage=usage,
-                                    retries_used=budget.used)
+                                    retries_used=budget.used, version=version_of(op, usage))
     except Exception:
         if error is None:
             await _compensate(op, result, cancel_on)

@@ -57,7 +57,7 @@ _SLOT_STATUSES = sorted(HOLDS_SLOT)
 # --- backpressure -----------------------------------------------------------------
 
 
-def check_queue_capacity(tenant: Tenant, *, priority: int = 0) -> None:
+def check_queue_capacity(tenant: Tenant, *, priority: int) -> None:
     """Refuse a submission up front (429) rather than time it out later.
 
     Past LONGHAUL_SHED_THRESHOLD of a queue's cap, a submission whose priority is below

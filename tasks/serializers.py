@@ -175,7 +175,7 @@ class TaskSerializer(RemoteFactsMixin, serializers.ModelSerializer):
             "error_class", "error_message", "current_step", "waiting_reason", "tracking_degraded", "retries",
             "cancel_requested", "pause_requested", "is_terminal", "result_version", "last_event_seq",
             "created_at", "started_at", "finished_at", "updated_at", "question_fields", "remote_error",
-            "cancel_attempts", "cancel_error", "notification",
+            "cancel_attempts", "cancel_error", "notification", "model_name", "prompt_version",
         ]
         read_only_fields = fields
 

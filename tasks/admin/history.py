@@ -39,6 +39,6 @@ class CheckpointAdmin(TaskRowAdmin):
 @admin.register(Operation)
 class OperationAdmin(TaskRowAdmin):
     list_display = ("key", "task", "kind", "name", "status", "attempts", "error_class", "has_side_effects",
-                    "created_at", "finished_at")
+                    "version", "created_at", "finished_at")
     list_filter = (("task__tenant", OperatorTenantFilter), "status", "kind")
     search_fields = ("=key", "name")

@@ -92,10 +92,23 @@ class PartialResult:
     scope: str
 
 
+@dataclass(frozen=True)
+class Pins:
+    """What a task's behaviour depends on besides Longhaul's code and its checkpoint schema: recorded
+    on the task when it is submitted (Task.model_name, prompt_version, tool_protocol), so a result
+    can be traced to the model, prompts and protocol that made it. Empty where a kind uses none."""
+
+    model_name: str = ""
+    prompt_version: str = ""
+    tool_protocol: str = ""
+
+
 class Driver(Protocol):
     kind: ClassVar[str]
     schema_version: ClassVar[int]
     debug_only: ClassVar[bool]
+
+    def pins(self) -> Pins: ...
 
     def validate_input(self, raw: Any, *, tenant: Tenant | None = None, internal: bool = False) -> dict[str, Any]:
         """The stored input, or InvalidInput naming the field. `internal`: see actions.Submission."""

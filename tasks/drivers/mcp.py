@@ -56,7 +56,7 @@ from django.conf import settings
 from tasks import clock
 from tasks.budgets import Budget
 from tasks.context import StepContext
-from tasks.drivers import Ask, Continue, Finish, OpRequest, Outcome, PartialResult, RemoteFacts
+from tasks.drivers import Ask, Continue, Finish, OpRequest, Outcome, PartialResult, Pins, RemoteFacts
 from tasks.errors import InvalidInput, PermanentError, RemoteCancelled, RemoteFailed, StepError
 from tasks.events import NewEvent
 from tasks.mcp import calls, client, config, forms
@@ -87,6 +87,9 @@ class McpDriver:
     kind: ClassVar[str] = "mcp"
     schema_version: ClassVar[int] = 1
     debug_only: ClassVar[bool] = False
+
+    def pins(self) -> Pins:
+        return Pins(tool_protocol=client.TOOL_PROTOCOL)
 
     # --- input ------------------------------------------------------------------------
 

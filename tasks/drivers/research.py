@@ -18,7 +18,7 @@ from django.utils.dateparse import parse_datetime
 
 from tasks import clock
 from tasks.context import StepContext
-from tasks.drivers import Continue, Finish, OpRequest, Outcome, PartialResult
+from tasks.drivers import Continue, Finish, OpRequest, Outcome, PartialResult, Pins
 from tasks.errors import BudgetExhausted, InvalidInput, PermanentError
 from tasks.events import NewEvent
 
@@ -41,6 +41,12 @@ class ResearchDriver:
     kind: ClassVar[str] = "research"
     schema_version: ClassVar[int] = SCHEMA_VERSION
     debug_only: ClassVar[bool] = False
+
+    def pins(self) -> Pins:
+        from tasks.gateway.providers import PROMPT_VERSION, model_label
+        from tasks.gateway.tools import TOOL_PROTOCOL
+
+        return Pins(model_name=model_label(), prompt_version=PROMPT_VERSION, tool_protocol=TOOL_PROTOCOL)
 
     # --- input ---------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from django.db import transaction
 
 from tasks import clock
 from tasks.context import StepContext
-from tasks.drivers import Ask, Continue, Finish, Outcome, PartialResult
+from tasks.drivers import Ask, Continue, Finish, Outcome, PartialResult, Pins
 from tasks.errors import InvalidInput, PermanentError, TransientError
 from tasks.models import SleepEffect
 
@@ -39,6 +39,9 @@ class SleepDriver:
     kind: ClassVar[str] = "sleep"
     schema_version: ClassVar[int] = 1
     debug_only: ClassVar[bool] = True
+
+    def pins(self) -> Pins:
+        return Pins()
 
     def validate_input(self, raw: Any, *, tenant: Any = None, internal: bool = False) -> dict[str, Any]:
         if not isinstance(raw, dict):

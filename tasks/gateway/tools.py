@@ -25,6 +25,8 @@ from tasks.gateway.fetch import fetch_page, raise_for_status, visit_settings
 from tasks.gateway.retry import RetryBudget, Sleep, with_retries
 
 TOOLS = ("search", "visit")
+# The shapes of the tools' arguments and results; recorded on research tasks and on each tool call.
+TOOL_PROTOCOL = "longhaul-tools/1"
 MAX_QUERY_CHARS = 500
 MAX_SEARCH_RESULTS = 50
 CORPUS_SCHEME = "corpus://"

@@ -41,6 +41,9 @@ from tasks.mcp import sessions
 
 log = logging.getLogger(__name__)
 TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+TASKS_EXTENSION_VERSION = "2026-07-28"
+# Recorded on mcp tasks and on each of their calls.
+TOOL_PROTOCOL = f"{TASKS_EXTENSION}@{TASKS_EXTENSION_VERSION}"
 TASK_STATUSES = ("working", "input_required", "completed", "failed", "cancelled")
 _T = TypeVar("_T")
 

@@ -196,6 +196,16 @@ def test_the_task_page_shows_its_latest_events_by_seq_and_links_to_the_rest(root
     assert reverse("admin:chat_run_changelist") in content and "kind__exact=notification" in content
 
 
+def test_the_task_page_and_the_operation_list_show_the_pinned_versions(root_client, acme, alice):
+    scene = stage(acme, alice)
+    Task.objects.filter(pk=scene.task.pk).update(model_name="openai:pinned-model-7", prompt_version="p-42",
+                                                 tool_protocol="tools/9")
+    Operation.objects.filter(task=scene.task).update(version="search longhaul-tools/77")
+    content = root_client.get(reverse("admin:tasks_task_change", args=[scene.task.pk])).content.decode()
+    assert "openai:pinned-model-7" in content and "p-42" in content and "tools/9" in content
+    assert "search longhaul-tools/77" in changelist(root_client, "tasks_operation").content.decode()
+
+
 def test_the_events_link_lists_that_tasks_events_in_seq_order(root_client, acme, alice):
     scene = stage(acme, alice)
     stage(acme, alice)  # another task with events of its own

@@ -24,7 +24,7 @@ import time_machine
 from django.db import OperationalError, connection, connections, transaction
 
 from tasks import actions, clock, drain, drivers, jobs, liveness, operations, transitions
-from tasks.drivers import Ask, Continue, Finish, OpRequest, RemoteFacts
+from tasks.drivers import Ask, Continue, Finish, OpRequest, Pins, RemoteFacts
 from tasks.errors import PermanentError
 from tasks.mcp import calls as mcp_calls
 from tasks.mcp import client
@@ -54,6 +54,9 @@ class Probe:
     debug_only: ClassVar[bool] = True
     stands: ClassVar[bool] = True  # what question_stands answers; set by the tests
     watched: ClassVar[list[Any]] = []  # the results question_stands was shown
+
+    def pins(self) -> Pins:
+        return Pins()
 
     def validate_input(self, raw: Any, *, tenant=None, internal: bool = False) -> dict[str, Any]:
         return raw

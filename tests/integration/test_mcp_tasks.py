@@ -123,6 +123,8 @@ def test_a_tool_that_answers_at_once_ends_the_task_with_that_result(http_remote,
     assert "hello there" in task.result["summary"]
     assert "remote_started" not in kinds(task)
     assert http_remote.calls().get("tasks/get", 0) == 0
+    assert task.tool_protocol == client.TOOL_PROTOCOL, "the protocol is pinned on the task"
+    assert set(Operation.objects.filter(task=task).values_list("version", flat=True)) == {client.TOOL_PROTOCOL}
 
 
 def test_a_result_over_64_kib_keeps_a_preview_of_the_configured_length_and_a_flag(http_remote, acme, alice, settings):

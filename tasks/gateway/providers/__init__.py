@@ -86,6 +86,14 @@ def model_settings() -> ModelSettings:
     )
 
 
+def model_label() -> str:
+    """The provider and model the settings name, as tasks and operations record them ("openai:gpt-4o")."""
+    from tasks.gateway.providers.offline import OFFLINE_MODEL
+
+    config = model_settings()
+    return f"openai:{config.model}" if config.provider == "openai" else f"offline:{OFFLINE_MODEL}"
+
+
 def get_provider(*, sleep: Sleep = asyncio.sleep) -> ModelProvider:
     """The provider the settings name."""
     # Imported here: each provider module imports the types above.
