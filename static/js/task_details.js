@@ -336,6 +336,9 @@ export class TaskDetails {
       fact(gettext("Model calls"), usage ? used(usage.model_calls || 0, budget.max_model_calls) : null),
       fact(gettext("Tool calls"), usage ? used(usage.tool_calls || 0, budget.max_tool_calls) : null),
       fact(gettext("Tokens"), usage ? used(usage.tokens || 0, budget.max_tokens) : null),
+      fact(gettext("Model"), detail.model_name && detail.prompt_version
+        ? interpolate(gettext("%(model)s, prompts version %(version)s"),
+          { model: detail.model_name, version: detail.prompt_version }) : detail.model_name || null),
     ];
     this.facts.replaceChildren(...rows.filter(Boolean).flat());
   }

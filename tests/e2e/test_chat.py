@@ -99,6 +99,7 @@ def test_it_researches_from_a_new_thread_and_posts_the_report_with_citations(pag
     expect(row.locator(".source-list li")).to_have_count(len(sources))
     expect(row.locator(".facts")).to_contain_text(f"{len(task.result['evidence'])} quotes")
     expect(row.locator(".facts")).to_contain_text("Model calls")
+    expect(row.locator(".facts")).to_contain_text(f"{task.model_name}, prompts version {task.prompt_version}")
     expect(row.get_by_role("button", name="Show the report in the thread")).to_be_visible()
 
     # Something running next to it, for the screenshots: the panel with a live task.

@@ -97,6 +97,7 @@ def test_it_researches_and_cancels_in_chinese_with_the_same_behaviour(page: Page
     facts = row.locator(".facts")
     expect(facts).to_contain_text(f"{len(task.result['evidence'])} 条引文")
     expect(facts).to_contain_text("模型调用")
+    expect(facts).to_contain_text(f"{task.model_name}，提示词版本 {task.prompt_version}")
     expect(facts).to_contain_text("用时")
     assert_all_chinese(facts.locator("dt"))
     expect(row.get_by_role("button", name="在对话中查看报告")).to_be_visible()
