@@ -341,6 +341,18 @@ def due_messages(now: datetime) -> list[OrmQ]:
     return list(OrmQ.objects.filter(lock__lte=now).order_by("lock", "id"))
 
 
+def only_watches_left() -> bool:
+    """No call is left but those watching a remote task while its owner is asked: they come back every
+    minute for as long as nobody answers, which in a drain is for ever (answering is a person's part)."""
+    return not (Operation.objects.filter(status__in=UNFINISHED_OPS, args__isnull=False)
+                .exclude(key__contains=f":{operations.WATCH_PREFIX}", task__status=S.WAITING_INPUT).exists())
+
+
+def is_work(row: OrmQ, *, watches_only: bool) -> bool:
+    """A kick that can move something: any but a gateway kick when only watch calls are left."""
+    return not (watches_only and SignedPackage.loads(row.payload)["func"].endswith(".run_operations"))
+
+
 def run_message(row: OrmQ) -> None:
     """What a django-q2 worker does with a message: call its function."""
     package = SignedPackage.loads(row.payload)
@@ -985,18 +997,25 @@ class LivenessMachine(RuleBasedStateMachine):
         for round_number in range(DRAIN_ROUNDS):
             now = self.now()
             due = due_messages(now)
+            # Watching a remote task whose owner is asked is not progress: a drain with one would never
+            # be quiet (the watches are run all the same).
+            watches_only = only_watches_left()
             if due:
-                idle_sweeps = 0
+                if any(is_work(row, watches_only=watches_only) for row in due):
+                    idle_sweeps = 0
                 for row in due:
                     take_and_run(row)
             elif operations.due_exists(now):
-                idle_sweeps = 0
+                if not watches_only:
+                    idle_sweeps = 0
                 operations.run_due(run_for=2)
             elif now - last_sweep >= SWEEP_EVERY:
                 sweep(now)
                 last_sweep = now
                 self.sweeper_left_no_violation(now)
-                if OrmQ.objects.exists() or operations.due_exists(now):
+                watches_only = only_watches_left()
+                if any(is_work(row, watches_only=watches_only) for row in OrmQ.objects.all()) or (
+                        operations.due_exists(now) and not watches_only):
                     idle_sweeps = 0
                 else:
                     idle_sweeps += 1
