@@ -112,6 +112,10 @@ class Message(models.Model):
 
     class Meta:
         ordering = ["thread", "seq"]
+        indexes = [
+            # tasks.retention.purge: messages in the order they were written.
+            models.Index(fields=["created_at", "id"], name="message_created_idx"),
+        ]
         constraints = [
             # Also the index the message pages read (thread, seq > cursor).
             models.UniqueConstraint(fields=["thread", "seq"], name="message_thread_seq_unique"),

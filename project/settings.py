@@ -9,6 +9,7 @@ from pathlib import Path
 from csp import constants as csp
 from django.core.exceptions import ImproperlyConfigured
 
+from project import retention
 from project.client_ip import trusted_networks
 from project.env import database_from_url, envbool, envfloat, envint, envlist, envrate, envstr
 
@@ -317,6 +318,24 @@ LONGHAUL_RETRY_CAP_SECONDS = envfloat("LONGHAUL_RETRY_CAP_SECONDS", 300.0, minim
 LONGHAUL_STALL_SECONDS = envfloat("LONGHAUL_STALL_SECONDS", 300.0, minimum=1.0)
 LONGHAUL_STEP_SLICE_MS = envint("LONGHAUL_STEP_SLICE_MS", 200, minimum=0)
 LONGHAUL_IDEMPOTENCY_TTL = envint("LONGHAUL_IDEMPOTENCY_TTL", 24 * 3600, minimum=1)
+# Retention, days per data class (0: for ever); tasks/retention.py purges with every sweep.
+LONGHAUL_RETENTION_EVENTS_DAYS = envint(retention.setting_name("events"), retention.DEFAULT_DAYS["events"],
+                                        minimum=0, maximum=retention.MAX_DAYS)
+LONGHAUL_RETENTION_CHECKPOINTS_DAYS = envint(retention.setting_name("checkpoints"),
+                                             retention.DEFAULT_DAYS["checkpoints"], minimum=0, maximum=retention.MAX_DAYS)
+LONGHAUL_RETENTION_OPERATION_PAYLOADS_DAYS = envint(retention.setting_name("operation_payloads"),
+                                                    retention.DEFAULT_DAYS["operation_payloads"], minimum=0,
+                                                    maximum=retention.MAX_DAYS)
+LONGHAUL_RETENTION_RESULTS_DAYS = envint(retention.setting_name("results"), retention.DEFAULT_DAYS["results"],
+                                         minimum=0, maximum=retention.MAX_DAYS)
+LONGHAUL_RETENTION_MESSAGES_DAYS = envint(retention.setting_name("messages"), retention.DEFAULT_DAYS["messages"],
+                                          minimum=0, maximum=retention.MAX_DAYS)
+LONGHAUL_RETENTION_AUDIT_DAYS = envint(retention.setting_name("audit"), retention.DEFAULT_DAYS["audit"],
+                                       minimum=0, maximum=retention.MAX_DAYS)
+retention.check({"events": LONGHAUL_RETENTION_EVENTS_DAYS, "checkpoints": LONGHAUL_RETENTION_CHECKPOINTS_DAYS,
+                 "operation_payloads": LONGHAUL_RETENTION_OPERATION_PAYLOADS_DAYS,
+                 "results": LONGHAUL_RETENTION_RESULTS_DAYS, "messages": LONGHAUL_RETENTION_MESSAGES_DAYS,
+                 "audit": LONGHAUL_RETENTION_AUDIT_DAYS})
 LONGHAUL_MAX_RUNNING = envint("LONGHAUL_MAX_RUNNING", 50, minimum=1)
 LONGHAUL_MAX_QUEUED = envint("LONGHAUL_MAX_QUEUED", 10_000, minimum=1)
 # Past this share of a queue's cap (a tenant's max_queued, or LONGHAUL_MAX_QUEUED), submissions below the

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFami
 from prometheus_client.registry import Collector
 
 from tasks import clock, operations, scheduling
-from tasks.models import Alert, AuditEntry, Operation, Task, TaskEvent, Tenant
+from tasks.models import Alert, AuditEntry, Operation, RetentionMark, Task, TaskEvent, Tenant
 from tasks.statuses import HOLDS_SLOT, NotificationStatus, OperationStatus, TaskStatus
 
 WINDOW = timedelta(hours=1)
@@ -279,6 +279,16 @@ def recovery_metrics(tenants: Tenants, *, now: datetime) -> Iterator[Metric]:
     yield dead
 
     yield liveness_repairs()
+    yield retention_purged()
+
+
+def retention_purged() -> Metric:
+    """Rows the retention purge deleted (or emptied: operation payloads, results), by data class."""
+    purged = CounterMetricFamily("longhaul_retention_purged",
+                                 "Rows purged by retention (tasks/retention.py), by data class.", labels=["data_class"])
+    for data_class, n in RetentionMark.objects.values_list("data_class", "purged"):
+        purged.add_metric([data_class], n)
+    return purged
 
 
 def liveness_repairs() -> Metric:

@@ -151,6 +151,9 @@ class Task(models.Model):
                                     condition=Q(remote_handle__isnull=False) & ~Q(status__in=sorted(TERMINAL))),
         ]
         indexes = [
+            # retention.purge: ended tasks in the order they ended.
+            models.Index(fields=["finished_at", "id"], name="task_ended_idx",
+                         condition=Q(status__in=sorted(TERMINAL))),
             # leases.claim and sweeper.kick_due: "claimable and due", ordered by due time.
             models.Index(fields=["next_run_at"], name="task_due_idx", condition=Q(status__in=sorted(CLAIMABLE))),
             # scheduling.admit: the tenant's queued tasks in priority and age order.
@@ -310,6 +313,8 @@ class AuditEntry(models.Model):
         verbose_name_plural = "audit entries"
         indexes = [
             models.Index(fields=["tenant", "-at"], name="audit_tenant_recent_idx"),
+            # retention.purge: entries in the order they were written.
+            models.Index(fields=["at", "id"], name="audit_at_idx"),
             # metrics: recent refused submissions.
             models.Index(fields=["at"], name="audit_rejected_idx", condition=Q(action="task.rejected")),
         ]
@@ -325,6 +330,19 @@ class SleepEffect(models.Model):
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
     step = models.PositiveIntegerField()
     at = models.DateTimeField()
+
+
+class RetentionMark(models.Model):
+    """How far the purge of one data class has gone (tasks/retention.py), and how much it purged."""
+
+    data_class = models.CharField(max_length=32, unique=True)
+    up_to = models.DateTimeField(null=True, blank=True, help_text="The moment of the last row purged.")
+    up_to_id = models.BigIntegerField(default=0, help_text="The id of the last row purged, at that moment.")
+    purged = models.PositiveBigIntegerField(default=0, help_text="Rows purged (or emptied) so far.")
+    last_run_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.data_class}: {self.purged} purged"
 
 
 class Alert(models.Model):

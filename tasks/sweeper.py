@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from tasks import kicks, liveness, notifications, operations, transitions
+from tasks import kicks, liveness, notifications, operations, retention, transitions
 from tasks.events import NewEvent, append
 from tasks.alerts import raise_alert
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
@@ -36,6 +36,7 @@ def run_once(*, now: datetime) -> dict[str, int]:
         "liveness_repairs": lambda at: sum(liveness.repair(at).values()),
         "stalled": flag_stalled,
         "idempotency_expired": forget_expired_keys,
+        "retention_purged": lambda at: sum(retention.purge(at).values()),
     }
     counts = {}
     for name, part in parts.items():

@@ -107,3 +107,15 @@ def test_a_model_cannot_start_a_crashing_task_either(acme, alice):
 def test_code_in_the_process_may_still_drill_a_crash(acme, alice):
     task = submit_sleep(acme, alice, **CRASH)
     assert task.input["fail_kind"] == "crash"
+
+
+@pytest.mark.parametrize(("variables", "named"), [
+    ({"LONGHAUL_RETENTION_EVENTS_DAYS": "-1"}, "LONGHAUL_RETENTION_EVENTS_DAYS must be at least 0"),
+    ({"LONGHAUL_RETENTION_AUDIT_DAYS": "30"}, "LONGHAUL_RETENTION_AUDIT_DAYS must be 0 or at least"),
+])
+def test_a_retention_that_breaks_the_rules_stops_the_process_naming_the_variable(tmp_path, variables, named):
+    env = deployment_env(tmp_path, SECRET_KEY=secrets.token_urlsafe(50), **variables)
+    done = subprocess.run([sys.executable, "-c", "import django; django.setup()"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, check=False, timeout=60)
+    assert done.returncode != 0
+    assert named in done.stderr

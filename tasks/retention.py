@@ -1,0 +1,115 @@
+"""Retention: what is kept, for how long, and the purge that forgets the rest (DESIGN §14).
+
+Each data class has its own retention in days (0 keeps it for ever), from the settings
+`LONGHAUL_RETENTION_<CLASS>_DAYS`. The purge runs with every sweep, in bounded batches, and
+only ever touches tasks that have ended (succeeded, failed, cancelled): a partial task may
+still be resumed, and a running one still needs everything.
+
+- events: a task's events, once it ended that long ago;
+- checkpoints: a task's checkpoints but its last (the result and what a requeue resumes from);
+- operation_payloads: the arguments and results of a task's calls (the rows, their status,
+  usage and version stay: they say what ran);
+- results: a task's result (the task row stays, with its status and error);
+- messages: chat messages written that long ago (the thread stays);
+- audit: audit entries, which must outlive what they describe, so their retention is at least
+  every other class's (project/retention.py checks it at start).
+
+Each class moves a watermark forward (RetentionMark: the (moment, id) purged last), so a pass
+reads only rows it has not purged yet, through an index on that moment and id.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Max, Q
+
+from chat.models import Message
+from project.retention import DEFAULT_DAYS, setting_name
+from tasks.models import AuditEntry, Checkpoint, Operation, RetentionMark, Task, TaskEvent
+from tasks.statuses import TERMINAL, OperationStatus
+
+CLASSES = tuple(DEFAULT_DAYS)
+TASK_CLASSES = ("events", "checkpoints", "operation_payloads", "results")
+
+
+def days(data_class: str) -> int:
+    return int(getattr(settings, setting_name(data_class)))
+
+
+def purge(now: datetime, *, batch: int | None = None) -> dict[str, int]:
+    """One bounded pass over every class; returns how many rows each purged (or emptied)."""
+    batch = batch or settings.LONGHAUL_SWEEP_BATCH
+    return {data_class: _purge_class(data_class, now, batch) for data_class in CLASSES if days(data_class) > 0}
+
+
+def _purge_class(data_class: str, now: datetime, batch: int) -> int:
+    cutoff = now - timedelta(days=days(data_class))
+    moment = _moment(data_class)
+    with transaction.atomic():
+        mark, _ = RetentionMark.objects.select_for_update().get_or_create(data_class=data_class)
+        # After the watermark: (moment, id) above the last pair purged, in that order (an index on both).
+        after = (Q(**{f"{moment}__gt": mark.up_to}) | Q(**{moment: mark.up_to, "pk__gt": mark.up_to_id})
+                 if mark.up_to else Q())
+        rows = list(_candidates(data_class).filter(after, **{f"{moment}__lt": cutoff})
+                    .order_by(moment, "pk").values_list("pk", moment)[:batch])
+        if not rows:
+            return 0
+        purged = _PURGES[data_class]([pk for pk, _ in rows])
+        last_id, last_moment = rows[-1]
+        RetentionMark.objects.filter(pk=mark.pk).update(up_to=last_moment, up_to_id=last_id,
+                                                        purged=F("purged") + purged, last_run_at=now)
+    return purged
+
+
+def _candidates(data_class: str):
+    if data_class in TASK_CLASSES:
+        return Task.objects.filter(status__in=sorted(TERMINAL))  # task_ended_idx
+    if data_class == "messages":
+        return Message.objects.all()  # message_created_idx
+    return AuditEntry.objects.all()  # audit_at_idx
+
+
+def _moment(data_class: str) -> str:
+    return "finished_at" if data_class in TASK_CLASSES else "created_at" if data_class == "messages" else "at"
+
+
+def _purge_events(task_ids: list[int]) -> int:
+    return TaskEvent.objects.filter(task_id__in=task_ids).delete()[1].get(TaskEvent._meta.label, 0)
+
+
+def _purge_checkpoints(task_ids: list[int]) -> int:
+    last = Checkpoint.objects.filter(task_id__in=task_ids).values("task_id").annotate(step=Max("step"))
+    keep = Q()
+    for row in last:
+        keep |= Q(task_id=row["task_id"], step=row["step"])
+    older = Checkpoint.objects.filter(task_id__in=task_ids)
+    if last:
+        older = older.exclude(keep)
+    return older.delete()[1].get(Checkpoint._meta.label, 0)
+
+
+def _purge_operation_payloads(task_ids: list[int]) -> int:
+    return (Operation.objects.filter(task_id__in=task_ids, status__in=[OperationStatus.SUCCEEDED,
+                                                                       OperationStatus.FAILED])
+            .exclude(args={}, result=None).update(args={}, result=None))
+
+
+def _purge_results(task_ids: list[int]) -> int:
+    return Task.objects.filter(pk__in=task_ids, result__isnull=False).update(result=None)
+
+
+def _purge_messages(ids: list[int]) -> int:
+    return Message.objects.filter(pk__in=ids).delete()[1].get(Message._meta.label, 0)
+
+
+def _purge_audit(ids: list[int]) -> int:
+    return AuditEntry.objects.filter(pk__in=ids).delete()[1].get(AuditEntry._meta.label, 0)
+
+
+_PURGES = {
+    "events": _purge_events, "checkpoints": _purge_checkpoints, "operation_payloads": _purge_operation_payloads,
+    "results": _purge_results, "messages": _purge_messages, "audit": _purge_audit,
+}
