@@ -93,9 +93,9 @@ def rendered_message_ids(page: Page) -> list[int]:
 
 
 def stored_message_ids(thread_public_id: str) -> list[int]:
-    """The visible messages of a thread, as GET /api/threads/<id>/messages lists them."""
+    """The visible messages of a thread by their number in it, as GET /api/threads/<id>/messages lists them."""
     return list(Message.objects.filter(thread__public_id=thread_public_id, hidden=False)
-                .order_by("id").values_list("id", flat=True))
+                .order_by("seq").values_list("seq", flat=True))
 
 
 def api_message_ids(page: Page, server: str, thread_public_id: str) -> list[int]:
