@@ -145,8 +145,13 @@ class ThreadItem(models.Model):
 
     thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="items")
     seq = models.PositiveIntegerField()
-    event = models.OneToOneField("tasks.TaskEvent", on_delete=models.CASCADE, related_name="+")
-    task = models.ForeignKey("tasks.Task", on_delete=models.CASCADE, related_name="+")
+    # No database constraints on these two: a constraint is checked at commit with a share lock on the
+    # task's row, which a reader that holds the thread's row could then wait for behind a transaction
+    # that holds the task and wants the thread (confirming a proposal, say). Purges delete a task's items
+    # first (tasks/retention.py); deleting a task deletes them through `task`.
+    event = models.OneToOneField("tasks.TaskEvent", on_delete=models.DO_NOTHING, related_name="+",
+                                 db_constraint=False)
+    task = models.ForeignKey("tasks.Task", on_delete=models.CASCADE, related_name="+", db_constraint=False)
     task_seq = models.PositiveBigIntegerField()
 
     class Meta:

@@ -105,6 +105,9 @@ def decide(proposal: Proposal, *, user: Any, decision: str) -> Proposal:
         raise InvalidInput(f"decision must be one of {', '.join(DECISIONS)}", field="decision")
     now = clock.now()
     with transaction.atomic():
+        # The thread's row first, as every message and run takes it before any task's (chat/runs.py):
+        # confirming locks the task it cancels or admits, and the message telling it then needs the thread.
+        Thread.objects.select_for_update().filter(pk=proposal.thread_id).first()
         fresh = Proposal.objects.select_for_update(of=("self",)).select_related(
             "run__thread__tenant", "run__thread__owner").get(pk=proposal.pk)
         if fresh.status != Proposal.Status.PENDING:

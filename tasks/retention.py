@@ -26,7 +26,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Max, Q
 
-from chat.models import Message
+from chat.models import Message, ThreadItem
 from project.retention import DEFAULT_DAYS, setting_name
 from tasks.models import AuditEntry, Checkpoint, Operation, RetentionMark, Task, TaskEvent
 from tasks.statuses import TERMINAL, OperationStatus
@@ -57,10 +57,12 @@ def _purge_class(data_class: str, now: datetime, batch: int) -> int:
                     .order_by(moment, "pk").values_list("pk", moment)[:batch])
         if not rows:
             return 0
-        purged = _PURGES[data_class]([pk for pk, _ in rows])
-        last_id, last_moment = rows[-1]
-        RetentionMark.objects.filter(pk=mark.pk).update(up_to=last_moment, up_to_id=last_id,
-                                                        purged=F("purged") + purged, last_run_at=now)
+        purged, complete = _PURGES[data_class]([pk for pk, _ in rows], batch)
+        moved: dict = {}
+        if complete:  # else the next pass takes the same rows again, for what is left of them
+            last_id, last_moment = rows[-1]
+            moved = {"up_to": last_moment, "up_to_id": last_id}
+        RetentionMark.objects.filter(pk=mark.pk).update(purged=F("purged") + purged, last_run_at=now, **moved)
     return purged
 
 
@@ -76,11 +78,19 @@ def _moment(data_class: str) -> str:
     return "finished_at" if data_class in TASK_CLASSES else "created_at" if data_class == "messages" else "at"
 
 
-def _purge_events(task_ids: list[int]) -> int:
-    return TaskEvent.objects.filter(task_id__in=task_ids).delete()[1].get(TaskEvent._meta.label, 0)
+# Each returns (rows purged, whether the rows it was given are done with).
+Purged = tuple[int, bool]
 
 
-def _purge_checkpoints(task_ids: list[int]) -> int:
+def _purge_events(task_ids: list[int], batch: int) -> Purged:
+    """At most `batch` events a pass, however many the tasks had; their thread-stream items first."""
+    ids = list(TaskEvent.objects.filter(task_id__in=task_ids).values_list("pk", flat=True)[:batch])
+    ThreadItem.objects.filter(event_id__in=ids).delete()
+    TaskEvent.objects.filter(pk__in=ids).delete()  # one DELETE: nothing cascades from an event
+    return len(ids), len(ids) < batch
+
+
+def _purge_checkpoints(task_ids: list[int], batch: int) -> Purged:
     last = Checkpoint.objects.filter(task_id__in=task_ids).values("task_id").annotate(step=Max("step"))
     keep = Q()
     for row in last:
@@ -88,25 +98,31 @@ def _purge_checkpoints(task_ids: list[int]) -> int:
     older = Checkpoint.objects.filter(task_id__in=task_ids)
     if last:
         older = older.exclude(keep)
-    return older.delete()[1].get(Checkpoint._meta.label, 0)
+    ids = list(older.values_list("pk", flat=True)[:batch])
+    Checkpoint.objects.filter(pk__in=ids).delete()
+    return len(ids), len(ids) < batch
 
 
-def _purge_operation_payloads(task_ids: list[int]) -> int:
-    return (Operation.objects.filter(task_id__in=task_ids, status__in=[OperationStatus.SUCCEEDED,
-                                                                       OperationStatus.FAILED])
-            .exclude(args={}, result=None).update(args={}, result=None))
+def _purge_operation_payloads(task_ids: list[int], batch: int) -> Purged:
+    ids = list(Operation.objects.filter(task_id__in=task_ids, status__in=[OperationStatus.SUCCEEDED,
+                                                                           OperationStatus.FAILED])
+               .exclude(args={}, result=None).values_list("pk", flat=True)[:batch])
+    Operation.objects.filter(pk__in=ids).update(args={}, result=None)
+    return len(ids), len(ids) < batch
 
 
-def _purge_results(task_ids: list[int]) -> int:
-    return Task.objects.filter(pk__in=task_ids, result__isnull=False).update(result=None)
+def _purge_results(task_ids: list[int], batch: int) -> Purged:
+    return Task.objects.filter(pk__in=task_ids, result__isnull=False).update(result=None), True
 
 
-def _purge_messages(ids: list[int]) -> int:
-    return Message.objects.filter(pk__in=ids).delete()[1].get(Message._meta.label, 0)
+def _purge_messages(ids: list[int], batch: int) -> Purged:
+    Message.objects.filter(pk__in=ids).delete()
+    return len(ids), True
 
 
-def _purge_audit(ids: list[int]) -> int:
-    return AuditEntry.objects.filter(pk__in=ids).delete()[1].get(AuditEntry._meta.label, 0)
+def _purge_audit(ids: list[int], batch: int) -> Purged:
+    AuditEntry.objects.filter(pk__in=ids).delete()
+    return len(ids), True
 
 
 _PURGES = {

@@ -60,36 +60,33 @@ _SLOT_STATUSES = sorted(HOLDS_SLOT)
 def check_queue_capacity(tenant: Tenant, *, priority: int) -> None:
     """Refuse a submission up front (429) rather than time it out later.
 
-    Past LONGHAUL_SHED_THRESHOLD of a queue's cap, a submission whose priority is below
-    the median of that queue is refused too (rule "shed_low_priority"), so the places
-    left go to the higher priorities; at the cap, everything is refused.
-    A soft cap: two submissions racing for the last place may both get it.
+    Past LONGHAUL_SHED_THRESHOLD of the tenant's max_queued, a submission whose priority is
+    below the median of the tenant's queue is refused too (rule "shed_low_priority"), so the
+    places left go to its higher priorities; at the cap, everything is refused. Shedding looks
+    at the tenant's own queue only: the system's would let one tenant's priorities refuse
+    another's work, and its figures would tell one tenant of the others' load.
+    A soft cap: two submissions racing for the last place may both get it. Tasks queued only to
+    cancel their remote work count in no queue.
     """
-    tenant_queue = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED)
+    tenant_queue = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED).exclude(
+        waiting_reason=transitions.CANCEL_WAIT)
     queued = tenant_queue.count()
     if queued >= tenant.max_queued:
         raise QuotaExceeded(
             f"tenant {tenant.slug} already has {queued} queued tasks (limit {tenant.max_queued})",
             retry_after=QUEUE_FULL_RETRY_AFTER, rule="tenant_queue_full",
         )
-    _shed_below_median(tenant_queue, queued, tenant.max_queued, priority, f"tenant {tenant.slug}'s queue")
-    system_queue = Task.objects.filter(status=TaskStatus.QUEUED)
-    all_queued = system_queue.count()
-    if all_queued >= settings.LONGHAUL_MAX_QUEUED:
+    if queued >= tenant.max_queued * settings.LONGHAUL_SHED_THRESHOLD:
+        median = median_priority(tenant_queue)
+        if median is not None and priority < median:
+            raise QuotaExceeded(
+                f"tenant {tenant.slug}'s queue is {100 * queued // tenant.max_queued}% full ({queued} of "
+                f"{tenant.max_queued}): only priority {median} or higher is accepted until it drains "
+                f"(this task's priority is {priority})",
+                retry_after=QUEUE_FULL_RETRY_AFTER, rule="shed_low_priority",
+            )
+    if Task.objects.filter(status=TaskStatus.QUEUED).count() >= settings.LONGHAUL_MAX_QUEUED:
         raise QuotaExceeded("the system queue is full", retry_after=QUEUE_FULL_RETRY_AFTER, rule="system_queue_full")
-    _shed_below_median(system_queue, all_queued, settings.LONGHAUL_MAX_QUEUED, priority, "the system queue")
-
-
-def _shed_below_median(queue: QuerySet[Task], queued: int, cap: int, priority: int, which: str) -> None:
-    if queued < cap * settings.LONGHAUL_SHED_THRESHOLD:
-        return
-    median = median_priority(queue)
-    if median is not None and priority < median:
-        raise QuotaExceeded(
-            f"{which} is {100 * queued // cap}% full ({queued} of {cap}): only priority {median} or higher "
-            f"is accepted until it drains (this task's priority is {priority})",
-            retry_after=QUEUE_FULL_RETRY_AFTER, rule="shed_low_priority",
-        )
 
 
 def median_priority(queue: QuerySet[Task]) -> int | None:

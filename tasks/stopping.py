@@ -12,7 +12,7 @@ from datetime import datetime
 from tasks import kicks, transitions
 from tasks.drivers import Driver, get_driver, remote_cancelling
 from tasks.errors import InvalidInput, LeaseLost
-from tasks.models import Checkpoint, Task
+from tasks.models import Checkpoint, Task, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
 
 
@@ -50,8 +50,10 @@ def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) ->
 
 def _stop_remote_work(task: Task, *, now: datetime, token: int | None) -> None:
     """Cancel rounds take a running slot: a task that holds one runs them now; one that holds none
-    (queued, paused, waiting for input) queues for one, first in its tenant (DESIGN §4 admission)."""
-    if task.status in HOLDS_SLOT:
+    (queued, paused, waiting for input) queues for one, first in its tenant (DESIGN §4 admission).
+    It waits at most as long as its tenant's running tasks take to end or yield (their budgets bound it)."""
+    # A tenant whose max_running is 0 (frozen by its admin) would never give one: the cancel runs at once.
+    if task.status in HOLDS_SLOT or not Tenant.objects.filter(pk=task.tenant_id, max_running__gt=0).exists():
         won = transitions.stop_remote(task, now=now, token=token)
         if token is not None:
             must_win(won)

@@ -431,3 +431,15 @@ def test_the_remote_task_id_never_leaves_the_server(http_remote, acme, alice, al
     bodies.append(json.dumps(task.result))
     for body in bodies:
         assert secret not in body
+
+
+def test_a_cancel_in_a_tenant_that_may_run_nothing_reaches_the_remote_at_once(http_remote, acme, alice):
+    """A tenant frozen by its admin (max_running 0) would never give the cancel a slot."""
+    task = follow(submit(acme, alice, "approval_job", seconds=0.3),
+                  until=lambda t: t.status == TaskStatus.WAITING_INPUT)
+    acme.max_running = 0
+    acme.save(update_fields=["max_running"])
+    assert actions.request_cancel(task, user=alice).status == TaskStatus.RUNNING
+    task = follow(task)
+    assert task.status == TaskStatus.CANCELLED
+    assert client.get_task(http_remote.config, remote_id(task)).status == "cancelled"

@@ -106,10 +106,9 @@ def test_a_pass_is_bounded_and_the_next_one_goes_on_where_it_stopped(acme, alice
     moment = clock.now() - timedelta(days=100)
     tasks = [task_with_data(acme, alice) for _ in range(5)]
     Task.objects.filter(pk__in=[t.pk for t in tasks]).update(finished_at=moment)  # one moment for all five
-    assert retention.purge(clock.now(), batch=2)["events"] == 6
-    assert retention.purge(clock.now(), batch=2)["events"] == 6
-    assert retention.purge(clock.now(), batch=2)["events"] == 3
-    assert retention.purge(clock.now(), batch=2)["events"] == 0
+    passes = [retention.purge(clock.now(), batch=2)["events"] for _ in range(12)]
+    assert max(passes) == 2, "a pass deletes at most a batch of rows, however many its tasks have"
+    assert sum(passes) == 15 and passes[-1] == 0
     assert not TaskEvent.objects.exists()
     mark = RetentionMark.objects.get(data_class="events")
     assert (mark.up_to, mark.up_to_id, mark.purged) == (moment, max(t.pk for t in tasks), 15)

@@ -92,16 +92,26 @@ def test_near_its_cap_a_tenants_queue_refuses_priorities_below_its_median_first(
     assert Task.objects.filter(tenant=acme).count() == 10
 
 
-def test_near_the_system_cap_low_priorities_are_refused_across_tenants(alice_api, acme, globex, charlie, settings):
+def test_another_tenants_priorities_never_shed_this_tenants_work(alice_api, acme, globex, charlie, settings):
+    """Shedding looks at the tenant's own queue: the system's would let one tenant's high priorities refuse
+    another's work, and tell it how loaded the others are."""
     settings.LONGHAUL_MAX_QUEUED = 10
     settings.LONGHAUL_SHED_THRESHOLD = 0.5
     Tenant.objects.update(max_running=0)
-    for priority in (3, 3, 3, 3, 0):
-        make_task(globex, charlie, priority=priority)  # another tenant fills half the system queue
-    refused = submit_at(alice_api, "low", 2)
-    assert refused.status_code == 429
-    assert "the system queue" in refused.json()["error"]
-    assert submit_at(alice_api, "as-high-as-most", 3).status_code == 201
+    for _ in range(8):
+        make_task(globex, charlie, priority=10)
+    assert submit_at(alice_api, "low", -5).status_code == 201  # 80% of the system queue, all priority 10
+    assert submit_at(alice_api, "lower", -10).status_code == 201  # the tenth place
+    full = submit_at(alice_api, "no-room", 10)
+    assert full.status_code == 429
+    assert full.json()["error"] == "the system queue is full", "no figure about the other tenants"
+
+
+def test_a_task_queued_only_to_cancel_counts_in_no_queue(alice_api, acme, alice):
+    Tenant.objects.filter(pk=acme.pk).update(max_running=0, max_queued=2)
+    make_task(acme, alice, waiting_reason="cancel", cancel_requested_at=clock.now())
+    make_task(acme, alice, waiting_reason="cancel", cancel_requested_at=clock.now())
+    assert submit_at(alice_api, "after-two-cancels", 0).status_code == 201
 
 
 def test_the_median_of_a_queue_is_its_lower_middle_priority(acme, alice):
