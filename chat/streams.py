@@ -37,24 +37,24 @@ def thread_group_of(task: Task) -> str | None:
     return thread_group(task.thread.public_id) if task.thread_id else None
 
 
-def _new_events(thread_pk: int, marks: dict[str, int]) -> tuple[dict[str, int], list[tuple[int, int, int]]]:
-    """The thread's tasks with events after their mark, and the status changes among those events.
+def _moved(thread_pk: int, marks: dict[str, int]) -> dict[str, int]:
+    """The thread's tasks with events after their mark, each with its `last_event_seq`.
 
-    A task's `last_event_seq` commits with its events, so events up to the value read are all
-    visible: the marks move to those values, and no event is looked at twice. Returns (the new
-    marks of the tasks that moved, [(event id, task id, seq)] in id order).
+    That column commits with the task's events, so every event up to the value read is visible:
+    the marks move to those values, and no event is looked at twice.
     """
-    moved = {str(pk): last for pk, last in Task.objects.filter(thread_id=thread_pk).values_list("pk", "last_event_seq")
-             if last > marks.get(str(pk), 0)}
-    if not moved:
-        return {}, []
-    # One index range per task that moved (event_task_seq_unique), usually one or two.
+    return {str(pk): last for pk, last in Task.objects.filter(thread_id=thread_pk).values_list("pk", "last_event_seq")
+            if last > marks.get(str(pk), 0)}
+
+
+def _status_changes(moved: dict[str, int], marks: dict[str, int]) -> list[tuple[int, int, int]]:
+    """[(event id, task id, seq)] of the status changes among the moved tasks' new events, in id order:
+    one index range per task (event_task_seq_unique), usually one or two."""
     ranges = Q(pk__in=[])
     for task_pk, last in moved.items():
         ranges |= Q(task_id=int(task_pk), seq__gt=marks.get(task_pk, 0), seq__lte=last)
-    events = list(TaskEvent.objects.filter(ranges, kind__in=STATUS_CHANGE_KINDS).order_by("id")
-                  .values_list("pk", "task_id", "seq"))
-    return moved, events
+    return list(TaskEvent.objects.filter(ranges, kind__in=STATUS_CHANGE_KINDS).order_by("id")
+                .values_list("pk", "task_id", "seq"))
 
 
 def number_new_items(thread_pk: int) -> int:
@@ -66,13 +66,14 @@ def number_new_items(thread_pk: int) -> int:
     at insert, could commit after a higher one and be skipped).
     """
     marks = Thread.objects.values_list("item_marks", flat=True).get(pk=thread_pk)
-    if not _new_events(thread_pk, marks)[0]:  # the common case: nothing new, no lock taken
+    if not _moved(thread_pk, marks):  # the common case: nothing new, no lock taken
         return 0
     with transaction.atomic():
         last, marks = Thread.objects.select_for_update().values_list("item_seq", "item_marks").get(pk=thread_pk)
-        moved, events = _new_events(thread_pk, marks)
+        moved = _moved(thread_pk, marks)
         if not moved:
             return 0
+        events = _status_changes(moved, marks)
         ThreadItem.objects.bulk_create([
             ThreadItem(thread_id=thread_pk, seq=last + n, event_id=pk, task_id=task_id, task_seq=task_seq)
             for n, (pk, task_id, task_seq) in enumerate(events, start=1)])

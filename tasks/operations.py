@@ -464,14 +464,9 @@ def version_of(op: Operation, usage: dict[str, Any]) -> str:
 
         return MCP_PROTOCOL
     if op.kind == "model":
-        from django.core.exceptions import ImproperlyConfigured
-
         from tasks.gateway.providers import PROMPT_VERSION, model_label
 
-        try:
-            label = model_label()
-        except ImproperlyConfigured:  # the call itself failed on it; recording its outcome must not
-            label = "model:misconfigured"
+        label = model_label()
         answered = usage.get("model")
         if isinstance(answered, str) and answered and not label.endswith(f":{answered}"):
             label = f"{label.split(':', 1)[0]}:{answered}"

@@ -20,11 +20,12 @@ reads only rows it has not purged yet, through an index on that moment and id.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Max, Q
+from django.db.models import F, Max, Model, Q, QuerySet
 
 from chat.models import Message, ThreadItem
 from project.retention import DEFAULT_DAYS, setting_name
@@ -32,7 +33,6 @@ from tasks.models import AuditEntry, Checkpoint, Operation, RetentionMark, Task,
 from tasks.statuses import TERMINAL, OperationStatus
 
 CLASSES = tuple(DEFAULT_DAYS)
-TASK_CLASSES = ("events", "checkpoints", "operation_payloads", "results")
 
 
 def days(data_class: str) -> int:
@@ -47,35 +47,23 @@ def purge(now: datetime, *, batch: int | None = None) -> dict[str, int]:
 
 def _purge_class(data_class: str, now: datetime, batch: int) -> int:
     cutoff = now - timedelta(days=days(data_class))
-    moment = _moment(data_class)
+    candidates, moment, purge_rows = _CLASSES[data_class]
     with transaction.atomic():
         mark, _ = RetentionMark.objects.select_for_update().get_or_create(data_class=data_class)
         # After the watermark: (moment, id) above the last pair purged, in that order (an index on both).
         after = (Q(**{f"{moment}__gt": mark.up_to}) | Q(**{moment: mark.up_to, "pk__gt": mark.up_to_id})
                  if mark.up_to else Q())
-        rows = list(_candidates(data_class).filter(after, **{f"{moment}__lt": cutoff})
+        rows = list(candidates().filter(after, **{f"{moment}__lt": cutoff})
                     .order_by(moment, "pk").values_list("pk", moment)[:batch])
         if not rows:
             return 0
-        purged, complete = _PURGES[data_class]([pk for pk, _ in rows], batch)
+        purged, complete = purge_rows([pk for pk, _ in rows], batch)
         moved: dict = {}
         if complete:  # else the next pass takes the same rows again, for what is left of them
             last_id, last_moment = rows[-1]
             moved = {"up_to": last_moment, "up_to_id": last_id}
         RetentionMark.objects.filter(pk=mark.pk).update(purged=F("purged") + purged, last_run_at=now, **moved)
     return purged
-
-
-def _candidates(data_class: str):
-    if data_class in TASK_CLASSES:
-        return Task.objects.filter(status__in=sorted(TERMINAL))  # task_ended_idx
-    if data_class == "messages":
-        return Message.objects.all()  # message_created_idx
-    return AuditEntry.objects.all()  # audit_at_idx
-
-
-def _moment(data_class: str) -> str:
-    return "finished_at" if data_class in TASK_CLASSES else "created_at" if data_class == "messages" else "at"
 
 
 # Each returns (rows purged, whether the rows it was given are done with).
@@ -115,17 +103,25 @@ def _purge_results(task_ids: list[int], batch: int) -> Purged:
     return Task.objects.filter(pk__in=task_ids, result__isnull=False).update(result=None), True
 
 
-def _purge_messages(ids: list[int], batch: int) -> Purged:
-    Message.objects.filter(pk__in=ids).delete()
-    return len(ids), True
+def _delete(model: type[Model]) -> Callable[[list[int], int], Purged]:
+    """Rows that are purged whole, by id (messages, audit entries)."""
+    def purge_rows(ids: list[int], batch: int) -> Purged:
+        model.objects.filter(pk__in=ids).delete()
+        return len(ids), True
+    return purge_rows
 
 
-def _purge_audit(ids: list[int], batch: int) -> Purged:
-    AuditEntry.objects.filter(pk__in=ids).delete()
-    return len(ids), True
+def _ended_tasks() -> QuerySet[Task]:
+    return Task.objects.filter(status__in=sorted(TERMINAL))  # task_ended_idx
 
 
-_PURGES = {
-    "events": _purge_events, "checkpoints": _purge_checkpoints, "operation_payloads": _purge_operation_payloads,
-    "results": _purge_results, "messages": _purge_messages, "audit": _purge_audit,
+# Per class: the rows its watermark walks (the ended tasks, or the rows themselves), the moment they are
+# ordered and aged by, and what a pass does to the ones it took.
+_CLASSES: dict[str, tuple[Callable[[], QuerySet], str, Callable[[list[int], int], Purged]]] = {
+    "events": (_ended_tasks, "finished_at", _purge_events),
+    "checkpoints": (_ended_tasks, "finished_at", _purge_checkpoints),
+    "operation_payloads": (_ended_tasks, "finished_at", _purge_operation_payloads),
+    "results": (_ended_tasks, "finished_at", _purge_results),
+    "messages": (Message.objects.all, "created_at", _delete(Message)),  # message_created_idx
+    "audit": (AuditEntry.objects.all, "at", _delete(AuditEntry)),  # audit_at_idx
 }

@@ -43,16 +43,10 @@ class ResearchDriver:
     debug_only: ClassVar[bool] = False
 
     def pins(self) -> Pins:
-        from django.core.exceptions import ImproperlyConfigured
-
         from tasks.gateway.providers import PROMPT_VERSION, model_label
         from tasks.gateway.tools import TOOL_PROTOCOL
 
-        try:
-            model = model_label()[:200]
-        except ImproperlyConfigured:  # the model calls will say so, on the task; the submission stands
-            model = "model:misconfigured"
-        return Pins(model_name=model, prompt_version=PROMPT_VERSION, tool_protocol=TOOL_PROTOCOL)
+        return Pins(model_name=model_label(), prompt_version=PROMPT_VERSION, tool_protocol=TOOL_PROTOCOL)
 
     # --- input ---------------------------------------------------------------------
 

@@ -58,3 +58,11 @@ def test_a_sleep_task_pins_no_model(acme, alice):
     task = submit_sleep(acme, alice)
     assert (task.model_name, task.prompt_version, task.tool_protocol) == ("", "", "")
 
+
+
+def test_a_misconfigured_model_is_recorded_as_such_and_the_submission_stands(alice_api, settings):
+    settings.LONGHAUL_MODEL_PROVIDER = "not-a-provider"
+    response = alice_api.post("/api/tasks", {"kind": "research", "input": {"question": "What is a coroutine?"}},
+                              format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["model_name"] == "model:misconfigured"

@@ -87,11 +87,16 @@ def model_settings() -> ModelSettings:
 
 
 def model_label() -> str:
-    """The provider and model the settings name, as tasks and operations record them ("openai:gpt-4o")."""
+    """The provider and model the settings name, as tasks and operations record them ("openai:gpt-4o"),
+    at most 200 characters. "model:misconfigured" when the settings are wrong: the calls say why, on
+    their task; recording what was pinned must not fail a submission or a call's outcome."""
     from tasks.gateway.providers.offline import OFFLINE_MODEL
 
-    config = model_settings()
-    return f"openai:{config.model}" if config.provider == "openai" else f"offline:{OFFLINE_MODEL}"
+    try:
+        config = model_settings()
+    except ImproperlyConfigured:
+        return "model:misconfigured"
+    return (f"openai:{config.model}" if config.provider == "openai" else f"offline:{OFFLINE_MODEL}")[:200]
 
 
 def get_provider(*, sleep: Sleep = asyncio.sleep) -> ModelProvider:
