@@ -17,6 +17,12 @@ Targets: the light tenant's p95 wait under the flood within 2 step-times (measur
 checkpoint) of the idle baseline's, and slot-time shares within 10% (relative) of the weights
 while both had tasks waiting for a slot.
 
+Pools (--part pools, run after the admission phases by default): the gateway, in this process,
+runs SEARCHES search calls (the offline corpus) for 25 tasks, first alone (the baseline), then
+beside MODEL_CALLS model calls to a loopback OpenAI-compatible fake whose pool is rate-limited
+(MODEL_RPM requests/min) and paused once by a 429 with Retry-After. Target: the searches keep their
+pace, their p95 wait (due to started) within one gateway turn (250 ms) of the baseline's.
+
 Migrates DATABASE_URL first (bench/_harness.py), refuses a database with unfinished tasks of
 others (the system cap would be shared with them), creates its own tenants, user and tasks, and
 deletes them afterwards. Loopback only; bounded in time (--timeout a phase) and count.
@@ -212,9 +218,14 @@ def check_database() -> None:
         raise SystemExit(f"the database has {busy} unfinished tasks; use a database of its own for this bench")
 
 
-def run(*, idle: int = 8, trickle_count: int = 30, burst_count: int = 20, timeout: float = 300) -> h.Report:
+def run(*, idle: int = 8, trickle_count: int = 30, burst_count: int = 20, timeout: float = 300,
+        part: str = "all") -> h.Report:
     h.migrate_if_needed()
     check_database()
+    if part == "pools":
+        report = h.Report("fairness", "Fair pools", "The gateway's pools (see the Pools section).")
+        run_pools(report, timeout=timeout)
+        return report
     flood_count = RATIO * (trickle_count + burst_count)
     report = h.Report(
         "fairness", "Fair admission under a flood",
@@ -239,6 +250,8 @@ def run(*, idle: int = 8, trickle_count: int = 30, burst_count: int = 20, timeou
     finally:
         tenants.heavy.purge()
         tenants.light.purge()
+    if part == "all":
+        run_pools(report, timeout=timeout)
     return report
 
 
@@ -279,6 +292,96 @@ def describe(report: h.Report, tenants: Tenants, phases: dict[str, Phase]) -> No
         report.notes.append("not PostgreSQL: the figures do not describe the production mode")
 
 
+# --- pools: a rate-limited model pool beside the searches --------------------------------
+
+SEARCHES = 200
+MODEL_CALLS = 200
+MODEL_RPM = 60
+MODEL_KEY = "model:openai:fake-model"
+PAUSE_S = 2
+
+
+def _waiting_tasks(scope: h.Scope, count: int) -> list[Task]:
+    now = clock.now()
+    return [Task.objects.create(tenant=scope.tenant, owner=scope.user, kind="research", name="pools", input={},
+                                budget={}, status=TaskStatus.WAITING_TOOL, current_step=1, created_at=now,
+                                updated_at=now, started_at=now) for _ in range(count)]
+
+
+def _calls(tasks: list[Task], total: int, *, kind: str, name: str, tag: str) -> list[int]:
+    from tasks.drivers import OpRequest
+    from tasks.models import Operation
+    from tasks.operations import request
+
+    per_task = max(1, total // len(tasks))
+    with transaction.atomic():
+        for task in tasks:
+            args = [{"query": f"asyncio {tag} {task.pk} {n}", "limit": 3} if kind == "tool"
+                    else {"question": f"q {task.pk} {n}", "constraints": "", "max_subquestions": 2}
+                    for n in range(per_task)]
+            request(task, token=0, now=clock.now(), step=0, requests=[OpRequest(kind, name, a) for a in args])
+    return list(Operation.objects.filter(task__in=tasks, kind=kind).values_list("pk", flat=True))
+
+
+def _gateway_until_done(op_ids: list[int], timeout: float) -> float:
+    """Run gateway jobs in this process until these calls have all finished; seconds taken."""
+    from tasks import operations
+    from tasks.models import Operation
+
+    started = time.monotonic()
+    while Operation.objects.filter(pk__in=op_ids).exclude(status__in=operations.FINISHED).exists():
+        if time.monotonic() - started > timeout:
+            raise SystemExit(f"pools: the calls did not finish within {timeout:g} s")
+        operations.run_due(run_for=0.5)
+    return time.monotonic() - started
+
+
+def _waits_ms(op_ids: list[int]) -> list[float]:
+    from tasks.models import Operation
+
+    rows = Operation.objects.filter(pk__in=op_ids, started_at__isnull=False).values_list("created_at", "started_at")
+    return [(started - created).total_seconds() * 1000 for created, started in rows]
+
+
+def run_pools(report: h.Report, *, timeout: float) -> None:
+    """Searches alone, then beside a rate-limited and paused model pool; every row made is deleted."""
+    from tasks.models import Operation, Pool
+    from tests.fakes.openai_server import FakeOpenAI, Reply, Status, research_reply
+
+    scope = h.Scope.create("fairness-pools")
+    try:
+        with FakeOpenAI(default=Reply(content=research_reply, delay=0.2)) as fake, h.override(
+                LONGHAUL_MODEL_PROVIDER="openai", LONGHAUL_MODEL_BASE_URL=fake.base_url, LONGHAUL_MODEL="fake-model",
+                LONGHAUL_SEARCH_URL="", LONGHAUL_POOLS={MODEL_KEY: {"requests_per_minute": MODEL_RPM}}):
+            Pool.objects.filter(key=MODEL_KEY).delete()
+            alone = _calls(_waiting_tasks(scope, 25), SEARCHES, kind="tool", name="search", tag="alone")
+            alone_s = _gateway_until_done(alone, timeout)
+
+            fake.script(Status(429, headers={"Retry-After": str(PAUSE_S)}))
+            models = _calls(_waiting_tasks(scope, 50), MODEL_CALLS, kind="model", name="plan", tag="m")
+            beside = _calls(_waiting_tasks(scope, 25), SEARCHES, kind="tool", name="search", tag="beside")
+            beside_s = _gateway_until_done(beside, timeout)
+            model_done = Operation.objects.filter(pk__in=models, status__in=("succeeded", "failed")).count()
+            pool = Pool.objects.get(key=MODEL_KEY)
+            pauses, requests = pool.pauses, fake.request_count
+            base, loaded = _waits_ms(alone), _waits_ms(beside)
+            Pool.objects.filter(key=MODEL_KEY).delete()
+    finally:
+        scope.purge()
+    report.add("Pools: searches beside a rate-limited model pool", h.table(
+        ["searches", "n", "p50 wait (ms)", "p95 wait (ms)", "max (ms)", "calls/s"],
+        [["alone (baseline)", *_summary(base), h.fmt(len(alone) / alone_s)],
+         [f"beside {len(models)} model calls at {MODEL_RPM}/min", *_summary(loaded), h.fmt(len(beside) / beside_s)]])
+        + f"\n\nWhile the searches ran, the model pool finished {model_done} of {len(models)} calls "
+          f"({requests} requests reached the fake, one answered 429 with Retry-After: {PAUSE_S}; the pool was "
+          f"paused {pauses} time(s)). Waits: due to started, from the operations' rows.")
+    bound = h.percentile(base, 95) + 250
+    report.targets.append(h.Target(
+        "searches keep their pace beside a rate-limited, paused model pool (p95 wait within 250 ms of alone)",
+        f"{h.fmt(h.percentile(loaded, 95))} ms vs {h.fmt(h.percentile(base, 95))} + 250 ms",
+        h.percentile(loaded, 95) <= bound and model_done < len(models)))
+
+
 def _summary(values: list[float]) -> list[str]:
     return [str(len(values)), h.fmt(h.percentile(values, 50)), h.fmt(h.percentile(values, 95)),
             h.fmt(max(values) if values else float("nan"))]
@@ -290,11 +393,14 @@ def main() -> None:
     parser.add_argument("--trickle", type=int, default=30, help="light tasks submitted singly under the flood")
     parser.add_argument("--burst", type=int, default=20, help="light tasks submitted at once under the flood")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for one phase")
+    parser.add_argument("--part", choices=("all", "admission", "pools"), default="all",
+                        help="admission phases, the pools, or both")
     args = parser.parse_args()
     for name, limit in LIMITS.items():
         if not 0 < getattr(args, name) <= limit:
             parser.error(f"--{name} must be above 0 and at most {limit}")
-    report = run(idle=args.idle, trickle_count=args.trickle, burst_count=args.burst, timeout=args.timeout)
+    report = run(idle=args.idle, trickle_count=args.trickle, burst_count=args.burst, timeout=args.timeout,
+                 part=args.part)
     print()
     print(report.markdown())
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 from django.core.exceptions import ImproperlyConfigured
 
 # Days each data class is kept (0: for ever); tasks' data counts from the task's end.
-DEFAULT_DAYS = {"events": 90, "checkpoints": 7, "operation_payloads": 30, "results": 0, "messages": 0, "audit": 0}
+# admissions: the admission records (tasks/admission_records.py) the scheduling replay reads, counted from
+# their arrival; like every class they are outlived by audit entries (check below).
+DEFAULT_DAYS = {"events": 90, "checkpoints": 7, "operation_payloads": 30, "results": 0, "messages": 0, "audit": 0,
+                "admissions": 90}
 MAX_DAYS = 100 * 365
 
 

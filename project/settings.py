@@ -9,7 +9,7 @@ from pathlib import Path
 from csp import constants as csp
 from django.core.exceptions import ImproperlyConfigured
 
-from project import retention
+from project import pools, retention
 from project.client_ip import trusted_networks
 from project.env import database_from_url, envbool, envfloat, envint, envlist, envrate, envstr
 
@@ -332,10 +332,12 @@ LONGHAUL_RETENTION_MESSAGES_DAYS = envint(retention.setting_name("messages"), re
                                           minimum=0, maximum=retention.MAX_DAYS)
 LONGHAUL_RETENTION_AUDIT_DAYS = envint(retention.setting_name("audit"), retention.DEFAULT_DAYS["audit"],
                                        minimum=0, maximum=retention.MAX_DAYS)
+LONGHAUL_RETENTION_ADMISSIONS_DAYS = envint(retention.setting_name("admissions"), retention.DEFAULT_DAYS["admissions"],
+                                            minimum=0, maximum=retention.MAX_DAYS)
 retention.check({"events": LONGHAUL_RETENTION_EVENTS_DAYS, "checkpoints": LONGHAUL_RETENTION_CHECKPOINTS_DAYS,
                  "operation_payloads": LONGHAUL_RETENTION_OPERATION_PAYLOADS_DAYS,
                  "results": LONGHAUL_RETENTION_RESULTS_DAYS, "messages": LONGHAUL_RETENTION_MESSAGES_DAYS,
-                 "audit": LONGHAUL_RETENTION_AUDIT_DAYS})
+                 "audit": LONGHAUL_RETENTION_AUDIT_DAYS, "admissions": LONGHAUL_RETENTION_ADMISSIONS_DAYS})
 LONGHAUL_MAX_RUNNING = envint("LONGHAUL_MAX_RUNNING", 50, minimum=1)
 LONGHAUL_MAX_QUEUED = envint("LONGHAUL_MAX_QUEUED", 10_000, minimum=1)
 # Past this share of a queue's cap (a tenant's max_queued, or LONGHAUL_MAX_QUEUED), submissions below the
@@ -344,8 +346,17 @@ LONGHAUL_SHED_THRESHOLD = envfloat("LONGHAUL_SHED_THRESHOLD", 0.8, minimum=0.01,
 # The highest Tenant.weight anyone may set: a tenant admin edits their own tenant's quotas.
 LONGHAUL_MAX_TENANT_WEIGHT = envint("LONGHAUL_MAX_TENANT_WEIGHT", 10, minimum=1)
 LONGHAUL_SWEEP_BATCH = envint("LONGHAUL_SWEEP_BATCH", 500, minimum=1)
+# Gateway pools (project/pools.py): defaults per kind of call, LONGHAUL_POOLS for one pool (JSON).
 LONGHAUL_MODEL_CONCURRENCY = envint("LONGHAUL_MODEL_CONCURRENCY", 32, minimum=1)
 LONGHAUL_TOOL_CONCURRENCY = envint("LONGHAUL_TOOL_CONCURRENCY", 64, minimum=1)
+# Rate limits per pool, 0: none. A model pool may also limit tokens (prompt and completion) per minute.
+LONGHAUL_MODEL_REQUESTS_PER_MINUTE = envint("LONGHAUL_MODEL_REQUESTS_PER_MINUTE", 0, minimum=0)
+LONGHAUL_MODEL_TOKENS_PER_MINUTE = envint("LONGHAUL_MODEL_TOKENS_PER_MINUTE", 0, minimum=0)
+LONGHAUL_TOOL_REQUESTS_PER_MINUTE = envint("LONGHAUL_TOOL_REQUESTS_PER_MINUTE", 0, minimum=0)
+LONGHAUL_MCP_REQUESTS_PER_MINUTE = envint("LONGHAUL_MCP_REQUESTS_PER_MINUTE", 0, minimum=0)
+LONGHAUL_POOLS = pools.parse(envstr("LONGHAUL_POOLS"))
+# Calls one task has out at once, over all pools: a step that fans out 30 reads leaves room for others.
+LONGHAUL_TASK_CALLS_IN_FLIGHT = envint("LONGHAUL_TASK_CALLS_IN_FLIGHT", 8, minimum=1)
 LONGHAUL_GATEWAY_INFLIGHT = envint("LONGHAUL_GATEWAY_INFLIGHT", 200, minimum=1)
 LONGHAUL_GATEWAY_SLICE_SECONDS = envfloat("LONGHAUL_GATEWAY_SLICE_SECONDS", 60.0, minimum=1.0)
 LONGHAUL_OPERATION_LEASE_SECONDS = envfloat("LONGHAUL_OPERATION_LEASE_SECONDS", 180.0, minimum=1.0)

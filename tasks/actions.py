@@ -87,7 +87,9 @@ def submit(*, tenant: Tenant, user: Any, submission: Submission) -> tuple[Task, 
             transitions.enqueue_new(task, now=now, events=[NewEvent("queued", {"kind": task.kind})])
     except QuotaExceeded as exc:
         # Recorded after the rollback, in a transaction of its own, so that the refusal leaves a trace.
-        scheduling.record_rejection(tenant, user_id=_user_id(user), reason=str(exc), rule=exc.rule, now=clock.now())
+        scheduling.record_rejection(tenant, user_id=_user_id(user), reason=str(exc), rule=exc.rule, now=clock.now(),
+                                    priority=submission.priority, kind=submission.kind,
+                                    max_wall_seconds=budget.max_wall_seconds)
         raise
     except IntegrityError:
         # Another request with the same key committed first; its task is the answer.

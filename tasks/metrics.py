@@ -30,8 +30,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeHistogramMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tasks import clock, operations, scheduling
-from tasks.models import Alert, AuditEntry, Operation, RetentionMark, Task, TaskEvent, Tenant
+from tasks import clock, operations, pools, scheduling
+from tasks.models import Alert, AuditEntry, Operation, Pool, RetentionMark, Task, TaskEvent, Tenant
 from tasks.statuses import HOLDS_SLOT, NotificationStatus, OperationStatus, TaskStatus
 
 WINDOW = timedelta(hours=1)
@@ -309,34 +309,51 @@ def liveness_repairs() -> Metric:
 
 
 def pool_metrics(*, now: datetime) -> Iterator[Metric]:
-    """Model and tool pools: size, calls in flight, calls waiting for a slot, call latency."""
-    live = Q(status=OperationStatus.STARTED, mode=Operation.Mode.GATEWAY)  # operation_inflight_idx
+    """Model, tool and MCP pools, each by its name (tasks/pools.py): limits, calls in flight and waiting,
+    pauses a provider's 429 asked for, call latency."""
+    live = Q(status=OperationStatus.STARTED, mode=Operation.Mode.GATEWAY)  # operation_pool_inflight_idx
     # Only calls of tasks still waiting for them get claimed (or taken over); count the same.
     waiting_task = operations.waiting_task()
-    in_flight = _count_by(Operation.objects.filter(live, lease_expires_at__gte=now), "kind")
-    orphaned = _count_by(Operation.objects.filter(live, waiting_task, lease_expires_at__lt=now), "kind")
+    in_flight = _count_by(Operation.objects.filter(live, lease_expires_at__gte=now), "pool")
+    orphaned = _count_by(Operation.objects.filter(live, waiting_task, lease_expires_at__lt=now), "pool")
     pending = _count_by(Operation.objects.filter(waiting_task, status=OperationStatus.PENDING,
-                                                 mode=Operation.Mode.GATEWAY), "kind")
+                                                 mode=Operation.Mode.GATEWAY), "pool")
+    states = {pool.key: pool for pool in Pool.objects.all()}
+    labels = ["kind", "pool"]
     families = {
         "size": GaugeMetricFamily("longhaul_pool_size", "Calls a pool runs at once, across all processes.",
-                                  labels=["pool"]),
+                                  labels=labels),
         "in_flight": GaugeMetricFamily("longhaul_pool_in_flight", "Calls running under a live lease.",
-                                       labels=["pool"]),
+                                       labels=labels),
         "saturation": GaugeMetricFamily("longhaul_pool_saturation", "In-flight calls over pool size (0 to 1).",
-                                        labels=["pool"]),
+                                        labels=labels),
         "pending": GaugeMetricFamily("longhaul_pool_pending", "Calls waiting for a slot in the pool.",
-                                     labels=["pool"]),
+                                     labels=labels),
         "orphaned": GaugeMetricFamily("longhaul_pool_expired_leases",
                                       "Started calls whose gateway job stopped renewing (to be taken over).",
-                                      labels=["pool"]),
+                                      labels=labels),
+        "rpm": GaugeMetricFamily("longhaul_pool_requests_per_minute_limit",
+                                 "Calls a pool may start per minute (0: no limit).", labels=labels),
+        "tpm": GaugeMetricFamily("longhaul_pool_tokens_per_minute_limit",
+                                 "Tokens a model pool may spend per minute (0: no limit).", labels=labels),
+        "paused": GaugeMetricFamily("longhaul_pool_paused_seconds",
+                                    "Seconds left of a pause a provider's 429 asked for (0: not paused).",
+                                    labels=labels),
     }
-    for kind in operations.KINDS:
-        size = operations.pool_size(kind)
-        flying = in_flight.get(kind, 0)
-        for name, value in (("size", size), ("in_flight", flying), ("saturation", flying / size if size else 0.0),
-                            ("pending", pending.get(kind, 0)), ("orphaned", orphaned.get(kind, 0))):
-            families[name].add_metric([kind], value)
+    pauses = CounterMetricFamily("longhaul_pool_rate_limited",
+                                 "429s with Retry-After that paused a pool, since it was first used.", labels=labels)
+    keys = sorted(set(pools.known()) | set(in_flight) | set(pending) | set(orphaned))
+    for key in keys:
+        limits, flying, state = pools.limits(key), in_flight.get(key, 0), states.get(key)
+        left = max(0.0, (state.paused_until - now).total_seconds()) if state and state.paused_until else 0.0
+        for name, value in (("size", limits.concurrency), ("in_flight", flying),
+                            ("saturation", flying / limits.concurrency), ("pending", pending.get(key, 0)),
+                            ("orphaned", orphaned.get(key, 0)), ("rpm", limits.requests_per_minute),
+                            ("tpm", limits.tokens_per_minute), ("paused", left)):
+            families[name].add_metric([pools.kind_of(key), key], value)
+        pauses.add_metric([pools.kind_of(key), key], state.pauses if state else 0)
     yield from families.values()
+    yield pauses
     yield _call_latency(now=now)
 
 
@@ -349,14 +366,14 @@ def _call_latency(*, now: datetime) -> Metric:
         labels=["pool", "name"])
     # Newest first by primary key: the scan stops after SAMPLE finished rows.
     rows = (Operation.objects.filter(status__in=operations.FINISHED, mode=Operation.Mode.GATEWAY)
-            .order_by("-id").values_list("kind", "name", "usage", "finished_at")[:SAMPLE])
+            .order_by("-id").values_list("pool", "name", "usage", "finished_at")[:SAMPLE])
     durations: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for kind, name, usage, finished_at in rows:
+    for pool, name, usage, finished_at in rows:
         ms = (usage or {}).get("duration_ms")
         if finished_at is not None and finished_at >= now - WINDOW and isinstance(ms, int | float):
-            durations[(kind, name)].append(ms / 1000)
-    for (kind, name), seconds in sorted(durations.items()):
-        family.add_metric([kind, name], _buckets(seconds, CALL_BUCKETS), sum(seconds))
+            durations[(pool, name)].append(ms / 1000)
+    for (pool, name), seconds in sorted(durations.items()):
+        family.add_metric([pool, name], _buckets(seconds, CALL_BUCKETS), sum(seconds))
     return family
 
 

@@ -8,6 +8,7 @@ tasks/transitions.py and tasks/leases.py, never through read-modify-save().
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 from django.conf import settings
 from django.db import models
@@ -245,8 +246,11 @@ class Operation(models.Model):
     key = models.CharField(max_length=200, unique=True, help_text="task:step:n, the same on every attempt.")
     step = models.PositiveIntegerField()
     n = models.PositiveIntegerField()
-    kind = models.CharField(max_length=16)  # the pool: model, tool, mcp; effect for local ones
+    kind = models.CharField(max_length=16)  # model, tool, mcp; effect for local ones
     name = models.CharField(max_length=100)
+    pool = models.CharField(max_length=240, blank=True,
+                            help_text="The pool whose slots and rate it takes (tasks/pools.py): kind:model, kind:tool "
+                                      "or mcp:server; empty for local effects.")
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.GATEWAY)
     args_digest = models.CharField(max_length=64)
     status = models.CharField(max_length=16, choices=OperationStatus.choices, default=OperationStatus.STARTED)
@@ -273,14 +277,21 @@ class Operation(models.Model):
         ordering = ["task", "step", "n"]
         indexes = [
             # operations.claim_batch: pending operations of a pool, oldest first.
-            models.Index(fields=["kind", "id"], name="operation_pending_idx", condition=Q(status="pending")),
+            models.Index(fields=["pool", "id"], name="operation_pool_pending_idx", condition=Q(status="pending")),
             # operations.claim_batch and pool counts: operations in flight, by lease expiry.
-            models.Index(fields=["kind", "lease_expires_at"], name="operation_inflight_idx",
+            models.Index(fields=["pool", "lease_expires_at"], name="operation_pool_inflight_idx",
                          condition=Q(status="started", mode="gateway")),
         ]
 
     def __str__(self) -> str:
         return self.key
+
+    def save(self, *args: Any, **kwargs: Any) -> None:
+        if not self.pool and self.mode == self.Mode.GATEWAY:
+            from tasks.pools import key_of  # tasks.pools reads these models
+
+            self.pool = key_of(self.kind, self.name, self.args)
+        super().save(*args, **kwargs)
 
 
 class IdempotencyRecord(models.Model):
@@ -345,6 +356,26 @@ class RetentionMark(models.Model):
         return f"{self.data_class}: {self.purged} purged"
 
 
+class Pool(models.Model):
+    """What the gateway keeps of one pool between claims, shared by every process (tasks/pools.py):
+    its rate allowances and its pause. Its limits are settings; a row exists once the pool was used."""
+
+    key = models.CharField(max_length=240, unique=True, help_text="kind:name, as Operation.pool.")
+    requests_allowance = models.FloatField(default=0.0, help_text="Requests it may still start (requests/min).")
+    tokens_allowance = models.FloatField(default=0.0, help_text="Tokens it may still spend (tokens/min).")
+    refilled_at = models.DateTimeField(null=True, blank=True)
+    paused_until = models.DateTimeField(null=True, blank=True,
+                                        help_text="A provider answered 429 with Retry-After: nothing starts before.")
+    pause_reason = models.CharField(max_length=200, blank=True)
+    pauses = models.PositiveBigIntegerField(default=0, help_text="How often a 429 paused it.")
+
+    class Meta:
+        ordering = ["key"]
+
+    def __str__(self) -> str:
+        return self.key
+
+
 class Alert(models.Model):
     """Something an operator should look at, raised by the runtime; shown in the admin until acknowledged."""
 
@@ -398,3 +429,42 @@ class SignInBackoff(models.Model):
 
     def __str__(self) -> str:
         return f"{self.username}: {self.failures} failures"
+
+
+class AdmissionRecord(models.Model):
+    """One submission as admission saw it (tasks/admission_records.py writes it, tasks/replay.py reads it):
+    when it arrived, when it first got and gave back a slot, how it ended, and the policy in force at the
+    decision. A compact row of its own, not a view of Task: it outlives the task (`task_id` is no foreign
+    key) and also records submissions refused before any task existed."""
+
+    task_id = models.BigIntegerField(null=True, blank=True, db_index=True, help_text="None for a refused submission.")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    priority = models.SmallIntegerField()
+    kind = models.CharField(max_length=32)
+    max_wall_seconds = models.PositiveIntegerField(help_text="The task's wall-time budget: caps a guessed duration.")
+    arrived_at = models.DateTimeField()
+    refused = models.BooleanField(default=False)
+    rule = models.CharField(max_length=32, blank=True, help_text="Which limit refused it (QuotaExceeded.rule).")
+    admitted_at = models.DateTimeField(null=True, blank=True, help_text="The first admission; later ones are not kept.")
+    started_at = models.DateTimeField(null=True, blank=True, help_text="The first claim of its first step.")
+    slot_released_at = models.DateTimeField(null=True, blank=True,
+                                            help_text="When it first gave its slot back (ended, paused, asked...).")
+    finished_at = models.DateTimeField(null=True, blank=True, help_text="Its last end.")
+    outcome = models.CharField(max_length=16, blank=True, help_text="Its terminal status, once it ended.")
+    # The policy in force at the decision: arrival (or refusal), then overwritten by the first admission.
+    weight = models.PositiveIntegerField()
+    max_running = models.PositiveIntegerField()
+    max_queued = models.PositiveIntegerField()
+    system_max_running = models.PositiveIntegerField()
+    system_max_queued = models.PositiveIntegerField()
+    aging_seconds = models.FloatField()
+    shed_threshold = models.FloatField()
+
+    class Meta:
+        indexes = [
+            # replay.load and retention.purge: decisions in the order they arrived.
+            models.Index(fields=["arrived_at", "id"], name="admission_arrived_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id}:{self.task_id or 'refused'} at {self.arrived_at:%Y-%m-%d %H:%M:%S}"

@@ -38,15 +38,17 @@ from typing import TYPE_CHECKING, Any
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connection, connections, transaction
-from django.db.models import F, Q
+from django.db.models import Count, F, Q, Window
+from django.db.models.functions import RowNumber
 
-from tasks import clock, drain, kicks, leases, transitions
+from tasks import clock, drain, events, kicks, leases, pools, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drain import draining
 from tasks.drivers import OpRequest
-from tasks.errors import InternalError, InvalidInput, StepError, StepTimeout
-from tasks.models import Checkpoint, Operation, Task
+from tasks.errors import InternalError, InvalidInput, RateLimited, StepError, StepTimeout
+from tasks.events import NewEvent
+from tasks.models import Checkpoint, Operation, Pool, Task, Tenant
 from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
 
 if TYPE_CHECKING:
@@ -79,15 +81,6 @@ class OpOutcome:
     finished: bool = True
 
 
-def pool_size(kind: str) -> int:
-    """Calls a pool runs at once across every process; for mcp, per server."""
-    if kind == "model":
-        return int(settings.LONGHAUL_MODEL_CONCURRENCY)
-    if kind == "mcp":
-        return int(settings.LONGHAUL_MCP_CONCURRENCY)
-    return int(settings.LONGHAUL_TOOL_CONCURRENCY)
-
-
 # --- the step side -------------------------------------------------------------
 
 
@@ -102,14 +95,22 @@ def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime,
     task:step:a<n>, which no step reads as its outcomes."""
     step = task.current_step if step is None else step
     first = Operation.objects.filter(task_id=task.pk, step=step, key__startswith=f"{task.pk}:{step}:{prefix}").count()
-    Operation.objects.bulk_create(
+    stored = Operation.objects.bulk_create(
         Operation(task_id=task.pk, key=f"{task.pk}:{step}:{prefix}{n}", step=step, n=n, kind=r.kind, name=r.name,
-                  mode=GATEWAY, args=r.args, args_digest=digest(r.args), status=OperationStatus.PENDING,
-                  fencing_token=token, attempts=0, has_side_effects=r.once, not_before=r.not_before,
-                  created_at=now)
+                  pool=pools.key_of(r.kind, r.name, r.args), mode=GATEWAY, args=r.args, args_digest=digest(r.args),
+                  status=OperationStatus.PENDING, fencing_token=token, attempts=0, has_side_effects=r.once,
+                  not_before=r.not_before, created_at=now)
         for n, r in enumerate(requests, start=first)
     )
-    return max(now, min(r.not_before or now for r in requests))
+    due = max(now, min(r.not_before or now for r in requests))
+    paused = pools.pause_in_force({op.pool for op in stored}, now=now)
+    if paused:
+        # The task waits on a pool a provider paused: say so now, and run its calls when the pause ends.
+        events.append(task, [NewEvent(pools.PAUSED, {"pool": pools.label(key), "kind": pools.kind_of(key),
+                                                     "until": until.isoformat(), "reason": "rate_limited"})
+                             for key, until in sorted(paused.items())], status=task.status, at=now)
+        due = max(due, min(paused.values()))
+    return due
 
 
 def request_abandon(task: Task, *, now: datetime) -> bool:
@@ -241,34 +242,76 @@ def _due(now: datetime) -> Q:
             | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
 
 
-def _runnable(kind: str, now: datetime):
+def _runnable(pool: str, now: datetime):
     """Due operations of a pool that a gateway job may run (one that must not run twice is never run again)."""
-    return (Operation.objects.filter(_due(now), _claimable(), kind=kind, mode=GATEWAY)
+    return (Operation.objects.filter(_due(now), _claimable(), pool=pool, mode=GATEWAY)
             .exclude(status=OperationStatus.STARTED, has_side_effects=True))
 
 
-def _in_flight(kind: str, now: datetime) -> int:
-    return Operation.objects.filter(kind=kind, status=OperationStatus.STARTED, mode=GATEWAY,
-                                    lease_expires_at__gte=now).count()
+def _live(now: datetime):
+    """Calls out now: started under a lease that has not run out (operation_pool_inflight_idx)."""
+    return Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_expires_at__gte=now)
 
 
-def _free_slots(kind: str, now: datetime) -> list[tuple[Q, int]]:
-    """Where a pool has room now: (which of its operations, free slots). An MCP server is a pool of its own."""
-    if kind != "mcp":
-        return [(Q(), pool_size(kind) - _in_flight(kind, now))]
-    busy = Counter(Operation.objects.filter(kind=kind, status=OperationStatus.STARTED, mode=GATEWAY,
-                                            lease_expires_at__gte=now).values_list("args__server", flat=True))
-    servers = set(_runnable(kind, now).order_by().values_list("args__server", flat=True).distinct())
-    return [(Q(args__server=server), pool_size(kind) - busy[server]) for server in sorted(servers, key=str)]
+def _pools_with_due_work(now: datetime) -> list[str]:
+    return sorted(Operation.objects.filter(_due(now), _claimable(), mode=GATEWAY).order_by()
+                  .values_list("pool", flat=True).distinct())
+
+
+def _at_task_cap(now: datetime):
+    """Tasks with as many calls out as one task may have (LONGHAUL_TASK_CALLS_IN_FLIGHT)."""
+    return (_live(now).order_by().values("task_id").annotate(n=Count("*"))
+            .filter(n__gte=settings.LONGHAUL_TASK_CALLS_IN_FLIGHT).values("task_id"))
+
+
+def _candidates(pool: str, now: datetime, *, limit: int) -> list[pools.Candidate]:
+    """The pool's due calls a claim may start, oldest first: at most a task's cap from any one task, none
+    from a task already at it (so a task's thousand calls cannot hide another task's one)."""
+    cap = settings.LONGHAUL_TASK_CALLS_IN_FLIGHT
+    ranked = (_runnable(pool, now).exclude(task_id__in=_at_task_cap(now))
+              .annotate(nth=Window(RowNumber(), partition_by=[F("task_id")], order_by=F("id").asc())))
+    rows = ranked.filter(nth__lte=cap).order_by("id").values_list("pk", "task_id", "task__tenant_id")[:limit]
+    return [pools.Candidate(op_id, task_id, tenant_id) for op_id, task_id, tenant_id in rows]
+
+
+def _choose(pool: str, room: int, now: datetime) -> list[pools.Candidate]:
+    """Up to `room` of the pool's due calls, shared among tenants by weight and among tasks by their cap."""
+    candidates = _candidates(pool, now, limit=max(room * 4, settings.LONGHAUL_TASK_CALLS_IN_FLIGHT * 8))
+    if not candidates:
+        return []
+    task_ids = {c.task_id for c in candidates}
+    tenant_ids = {c.tenant_id for c in candidates}
+    out_per_task = Counter(dict(_live(now).filter(task_id__in=task_ids).order_by().values("task_id")
+                                .annotate(n=Count("*")).values_list("task_id", "n")))
+    tenant_busy = Counter(dict(_live(now).filter(pool=pool, task__tenant_id__in=tenant_ids).order_by()
+                               .values("task__tenant_id").annotate(n=Count("*")).values_list("task__tenant_id", "n")))
+    weights = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", "weight"))
+    task_room = {t: settings.LONGHAUL_TASK_CALLS_IN_FLIGHT - out_per_task[t] for t in task_ids}
+    return pools.choose(candidates, room=room, tenant_busy=tenant_busy, task_room=task_room, weights=weights)
+
+
+def _room(pool: Pool, now: datetime) -> int:
+    return pools.room(pool, in_flight=_live(now).filter(pool=pool.key).count(), now=now)
 
 
 def claimable_exists(now: datetime) -> bool:
-    """Due operations that a gateway job could claim now: its pool has a free slot."""
-    for kind in KINDS:
-        for which, free in _free_slots(kind, now):
-            if free > 0 and _runnable(kind, now).filter(which).exists():
+    """Due operations that a gateway job could claim now: their pool has room and their task is under its cap."""
+    for key in _pools_with_due_work(now):
+        with transaction.atomic():
+            if _room(pools.state(key, now=now), now) > 0 and _candidates(key, now, limit=1):
                 return True
     return False
+
+
+def rate_held_until(now: datetime) -> datetime | None:
+    """The soonest moment a pool held back by its rate or a pause, with calls due, may start one again."""
+    soonest = None
+    for key in _pools_with_due_work(now):
+        with transaction.atomic():
+            at = pools.next_allowance_at(pools.state(key, now=now), now=now)
+        if at is not None and (soonest is None or at < soonest):
+            soonest = at
+    return soonest
 
 
 def kick_if_claimable() -> bool:
@@ -277,55 +320,69 @@ def kick_if_claimable() -> bool:
     Jobs refused the turn while this one held it returned without claiming; their
     operations were committed before they were refused, so this check sees them.
     A pool that is full waits for the jobs running its calls, which look again when
-    they end, so this never kicks in a loop.
+    they end, so this never kicks in a loop; one held back by its rate or a pause gets a
+    kick for when it may start again.
     """
-    if not claimable_exists(clock.now()):
+    now = clock.now()
+    if not claimable_exists(now):
+        held = rate_held_until(now)
+        if held is not None:
+            kicks.kick("operations", 0, at=held)
         return False
     kicks.kick("operations", 0)
     return True
 
 
-def _lock_pool(kind: str) -> None:
-    """Serialize claims of one pool across processes, so its cap holds everywhere."""
+def _lock_pool(key: str) -> None:
+    """Serialize claims of one pool across processes, so its limits hold everywhere."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [zlib.crc32(f"longhaul-pool-{kind}".encode())])
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [zlib.crc32(f"longhaul-pool-{key}".encode())])
     # SQLite: the IMMEDIATE transaction already holds the database's write lock.
 
 
 def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
-    """Claim due operations of every pool, each within its free slots."""
+    """Claim due operations of every pool, each within its room (slots, rate, pause)."""
     settle_lost_calls(now=now)
     lease = timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
     claimed: list[Operation] = []
-    for kind in KINDS:
+    for key in _pools_with_due_work(now):
         if len(claimed) >= limit:
             break
         with transaction.atomic():
-            _lock_pool(kind)
-            for which, free in _free_slots(kind, now):
-                free = min(free, limit - len(claimed))
-                if free <= 0:
-                    continue
-                rows = list(
-                    Operation.objects.select_for_update(skip_locked=True, of=("self",))
-                    .filter(pk__in=_runnable(kind, now).filter(which).values("pk"))
-                    .order_by("id")[:free]
-                )
-                for op in rows:
-                    Operation.objects.filter(pk=op.pk).update(
-                        status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
-                        attempts=op.attempts + 1, started_at=now)
-                    op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
-                claimed.extend(rows)
+            _lock_pool(key)
+            pool = pools.state(key, now=now)
+            room = min(_room(pool, now), limit - len(claimed))
+            if room <= 0:
+                continue
+            chosen = [c.op_id for c in _choose(key, room, now)]
+            rows = list(Operation.objects.select_for_update(skip_locked=True, of=("self",))
+                        .filter(_due(now), pk__in=chosen).order_by("id"))
+            for op in rows:
+                Operation.objects.filter(pk=op.pk).update(
+                    status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
+                    attempts=op.attempts + 1, started_at=now)
+                op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
+            pools.spend_requests(pool, len(rows))
+            claimed.extend(rows)
     return claimed
+
+
+def waiting_on_pool(key: str, *, limit: int) -> list[int]:
+    """Tasks with calls waiting for the pool (to tell them it is paused)."""
+    return list(Operation.objects.filter(_claimable(), pool=key, status=OperationStatus.PENDING, mode=GATEWAY)
+                .order_by().values_list("task_id", flat=True).distinct()[:limit])
+
+
+def _lost_calls(now: datetime):
+    return Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, has_side_effects=True,
+                                    lease_expires_at__lt=now)
 
 
 def settle_lost_calls(*, now: datetime, limit: int = 100) -> int:
     """Calls that must never run twice, left started by a gateway job that died: failed, never run
     again (MCP cannot ask a server whether a tools/call began); their task decides what follows."""
-    lost = list(Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, has_side_effects=True,
-                                         lease_expires_at__lt=now).values_list("pk", flat=True)[:limit])
+    lost = list(_lost_calls(now).values_list("pk", flat=True)[:limit])
     settled = 0
     for op_id in lost:
         log.warning("operation %s: its gateway job died during the call; failing it, not running it again", op_id)
@@ -496,6 +553,13 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
         log.exception("operation %s failed", op.key)
         error = InternalError(f"internal error in {op.kind} call {op.name} ({type(exc).__name__})",
                               detail=traceback.format_exc())
+    if (isinstance(error, RateLimited) and error.retry_after is not None and pools.pauses_on_rate_limit(op.pool)
+            and budget.take()):
+        # The provider asks every caller to wait: the pool pauses, and this call runs again when it ends.
+        until = clock.now() + timedelta(seconds=error.retry_after)
+        if await sync_to_async(defer)(op, owner=owner, until=until, retries_used=budget.used):
+            await sync_to_async(pools.pause)(op.pool, seconds=error.retry_after, reason=str(error), now=clock.now())
+            return
     usage = {**(usage or {}), "duration_ms": int((time.monotonic() - started) * 1000)}
     try:
         await sync_to_async(record)(op.pk, owner=owner, result=result, error=error, usage=usage,
@@ -504,6 +568,23 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
         if error is None:
             await _compensate(op, result, cancel_on)
         raise
+    if error is None and op.kind == "model":
+        tokens = sum(v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens") and isinstance(v, int))
+        await sync_to_async(pools.spend_tokens)(op.pool, tokens, now=clock.now())
+
+
+def defer(op: Operation, *, owner: str, until: datetime, retries_used: int) -> bool:
+    """Hand a call its provider rate-limited back to its pool, due when the pause ends. The retries it drew
+    are counted on its task, so 429s are bounded by the task's one retry budget; a clean hand-back is not
+    an attempt whose gateway job died, so its attempt is given back."""
+    with transaction.atomic():
+        handed = Operation.objects.filter(pk=op.pk, status=OperationStatus.STARTED, lease_owner=owner).update(
+            status=OperationStatus.PENDING, lease_owner="", lease_expires_at=None, started_at=None, not_before=until,
+            attempts=F("attempts") - 1)
+        if handed:
+            Task.objects.filter(pk=op.task_id).update(retries=F("retries") + retries_used)
+            kicks.kick("operations", op.task_id, at=until)
+    return bool(handed)
 
 
 def _compensation_server(op: Operation) -> ServerConfig | None:
@@ -651,5 +732,8 @@ def run_due(*, run_for: float | None = None) -> int | None:
 
 
 def due_exists(now: datetime) -> bool:
-    """For the sweeper: due operations nobody is running (pending, or their job died)."""
-    return Operation.objects.filter(_due(now), _claimable(), mode=GATEWAY).exists()
+    """For the sweeper: due operations nobody is running (pending, or their job died) that a gateway job
+    could start now. Those held back by their pool's rate or pause, or by their task's cap, are not: a
+    kick waits for the first two (kick_if_claimable), and the calls of the task out now end the third.
+    Calls that must not run twice, left started by a job that died, are due too: a job settles them."""
+    return _lost_calls(now).exists() or claimable_exists(now)

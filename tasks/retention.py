@@ -12,7 +12,9 @@ still be resumed, and a running one still needs everything.
 - results: a task's result (the task row stays, with its status and error);
 - messages: chat messages written that long ago (the thread stays);
 - audit: audit entries, which must outlive what they describe, so their retention is at least
-  every other class's (project/retention.py checks it at start).
+  every other class's (project/retention.py checks it at start);
+- admissions: admission records (the scheduling replay's input), counted from their arrival, whether
+  or not their task ended: they describe decisions, and a decision that old is outside any replay.
 
 Each class moves a watermark forward (RetentionMark: the (moment, id) purged last), so a pass
 reads only rows it has not purged yet, through an index on that moment and id.
@@ -29,7 +31,7 @@ from django.db.models import F, Max, Model, Q, QuerySet
 
 from chat.models import Message, ThreadItem
 from project.retention import DEFAULT_DAYS, setting_name
-from tasks.models import AuditEntry, Checkpoint, Operation, RetentionMark, Task, TaskEvent
+from tasks.models import AdmissionRecord, AuditEntry, Checkpoint, Operation, RetentionMark, Task, TaskEvent
 from tasks.statuses import TERMINAL, OperationStatus
 
 CLASSES = tuple(DEFAULT_DAYS)
@@ -104,7 +106,7 @@ def _purge_results(task_ids: list[int], batch: int) -> Purged:
 
 
 def _delete(model: type[Model]) -> Callable[[list[int], int], Purged]:
-    """Rows that are purged whole, by id (messages, audit entries)."""
+    """Rows that are purged whole, by id (messages, audit entries, admission records)."""
     def purge_rows(ids: list[int], batch: int) -> Purged:
         model.objects.filter(pk__in=ids).delete()
         return len(ids), True
@@ -124,4 +126,5 @@ _CLASSES: dict[str, tuple[Callable[[], QuerySet], str, Callable[[list[int], int]
     "results": (_ended_tasks, "finished_at", _purge_results),
     "messages": (Message.objects.all, "created_at", _delete(Message)),  # message_created_idx
     "audit": (AuditEntry.objects.all, "at", _delete(AuditEntry)),  # audit_at_idx
+    "admissions": (AdmissionRecord.objects.all, "arrived_at", _delete(AdmissionRecord)),  # admission_arrived_idx
 }

@@ -26,6 +26,10 @@ The next task is chosen in this order (DESIGN §5):
 Within a tenant, a task queued only to cancel its remote work (its owner cancelled it
 while it held no slot) goes before all of these: telling the server to stop takes a
 slot, and the cancel is what frees the remote work the task holds.
+
+These rules are tasks/admission_policy.py, code without the database that this module feeds with
+heads of queue read from it, and that the replay (tasks/replay.py) feeds with recorded arrivals.
+Each decision is also written to the admission records (tasks/admission_records.py).
 """
 
 from __future__ import annotations
@@ -33,21 +37,20 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from fractions import Fraction
 
-from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count, Exists, F, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 
-from tasks import kicks, transitions
+from tasks import admission_policy as policy
+from tasks import admission_records, kicks, transitions
 from tasks.alerts import raise_alert
+from tasks.budgets import Budget
 from tasks.errors import QuotaExceeded
 from tasks.models import Alert, AuditEntry, Task, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
 
 QUEUE_FULL_RETRY_AFTER = 30  # seconds a refused client is asked to wait
-DEFAULT_AGING_SECONDS = 60.0
 REJECTED = "task.rejected"  # AuditEntry.action of a refused submission; /metrics counts them
 REJECTION_ALERT_EVERY = timedelta(hours=1)
 _ADMISSION_LOCK = zlib.crc32(b"longhaul-admission")
@@ -70,44 +73,49 @@ def check_queue_capacity(tenant: Tenant, *, priority: int) -> None:
     """
     tenant_queue = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED).exclude(
         waiting_reason=transitions.CANCEL_WAIT)
-    queued = tenant_queue.count()
-    if queued >= tenant.max_queued:
-        raise QuotaExceeded(
-            f"tenant {tenant.slug} already has {queued} queued tasks (limit {tenant.max_queued})",
-            retry_after=QUEUE_FULL_RETRY_AFTER, rule="tenant_queue_full",
-        )
-    if queued >= tenant.max_queued * settings.LONGHAUL_SHED_THRESHOLD:
-        median = median_priority(tenant_queue)
-        if median is not None and priority < median:
-            raise QuotaExceeded(
-                f"tenant {tenant.slug}'s queue is {100 * queued // tenant.max_queued}% full ({queued} of "
-                f"{tenant.max_queued}): only priority {median} or higher is accepted until it drains "
-                f"(this task's priority is {priority})",
-                retry_after=QUEUE_FULL_RETRY_AFTER, rule="shed_low_priority",
-            )
-    if Task.objects.filter(status=TaskStatus.QUEUED).count() >= settings.LONGHAUL_MAX_QUEUED:
-        raise QuotaExceeded("the system queue is full", retry_after=QUEUE_FULL_RETRY_AFTER, rule="system_queue_full")
+    refused = policy.refusal(
+        tenant_policy(tenant), system_policy(), priority=priority, queued=tenant_queue.count(),
+        median=lambda: median_priority(tenant_queue),
+        system_queued=lambda: Task.objects.filter(status=TaskStatus.QUEUED).count())
+    if refused is None:
+        return
+    queued = refused.queued
+    if refused.rule == "tenant_queue_full":
+        message = f"tenant {tenant.slug} already has {queued} queued tasks (limit {tenant.max_queued})"
+    elif refused.rule == "shed_low_priority":
+        message = (f"tenant {tenant.slug}'s queue is {100 * queued // tenant.max_queued}% full ({queued} of "
+                   f"{tenant.max_queued}): only priority {refused.median} or higher is accepted until it drains "
+                   f"(this task's priority is {priority})")
+    else:
+        message = "the system queue is full"
+    raise QuotaExceeded(message, retry_after=QUEUE_FULL_RETRY_AFTER, rule=refused.rule)
 
 
 def median_priority(queue: QuerySet[Task]) -> int | None:
     """The median priority of queued tasks (the lower middle of an even count), from one count per
     priority level (at most 21) instead of the tasks themselves."""
-    levels = list(queue.order_by("priority").values_list("priority").annotate(n=Count("*")))
-    total = sum(n for _, n in levels)
-    seen = 0
-    for level, n in levels:
-        seen += n
-        if 2 * seen >= total:
-            return level
-    return None
+    return policy.median_of_levels(queue.order_by("priority").values_list("priority").annotate(n=Count("*")))
 
 
-def record_rejection(tenant: Tenant, *, user_id: int | None, reason: str, rule: str, now: datetime) -> None:
-    """Count a refused submission and alert operators, at most once per tenant per hour.
+system_policy = policy.system_policy
+
+
+def tenant_policy(tenant: Tenant) -> policy.TenantPolicy:
+    return policy.TenantPolicy(weight=tenant.weight, max_running=tenant.max_running, max_queued=tenant.max_queued)
+
+
+def record_rejection(tenant: Tenant, *, user_id: int | None, reason: str, rule: str, now: datetime,
+                     priority: int = 0, kind: str = "", max_wall_seconds: int | None = None) -> None:
+    """Count a refused submission, keep it for the replay, and alert operators, at most once per tenant
+    per hour. `priority`, `kind` and `max_wall_seconds` describe the refused submission (the defaults'
+    where a caller does not know them).
 
     Call it after the refused submission's transaction rolled back, or it is rolled back too.
     """
     with transaction.atomic():
+        wall = Budget.of({}).max_wall_seconds if max_wall_seconds is None else max_wall_seconds
+        admission_records.refused(tenant, priority=priority, kind=kind, max_wall_seconds=wall,
+                                  rule=rule, tenant_policy=tenant_policy(tenant), system=system_policy(), now=now)
         AuditEntry.objects.create(tenant=tenant, actor_id=user_id, action=REJECTED, target_type="tenant",
                                   target_id=tenant.slug, details={"reason": reason[:500], "rule": rule}, at=now)
         if _rejection_alert_raised(tenant.pk, now=now):
@@ -132,30 +140,37 @@ def _rejection_alert_raised(tenant_id: int, *, now: datetime) -> bool:
 
 def aging_seconds() -> float:
     """Seconds of waiting worth one priority point."""
-    return float(getattr(settings, "LONGHAUL_AGING_SECONDS", DEFAULT_AGING_SECONDS))
+    return system_policy().aging_seconds
 
 
 def effective_priority(priority: int, created_at: datetime, *, now: datetime) -> int:
     """Priority plus one point per aging period waited: nothing waits forever behind higher priority."""
-    waited = max(0.0, (now - created_at).total_seconds())
-    return priority + int(waited // aging_seconds())
+    return policy.effective_priority(priority, created_at, now=now, aging_seconds=aging_seconds())
 
 
 @dataclass
 class TenantQueue:
-    """A tenant that has queued tasks and a free slot of its own, as admission sees it."""
+    """A tenant that has queued tasks and a free slot of its own, as admission sees it: a
+    policy.WaitingQueue whose head is read from the database, locked, when the chooser first asks."""
 
     tenant_id: int
     weight: int
     max_running: int
+    max_queued: int
     running: int
-    head: Task | None = None
+    task: Task | None = None
     fetched: bool = False
 
-    @property
-    def share(self) -> tuple[bool, Fraction]:
-        """Slots held per unit of weight; weight 0 sorts after every weighted tenant."""
-        return (self.weight == 0, Fraction(self.running, self.weight or 1))
+    def head(self, *, now: datetime, aging_seconds: float) -> policy.Head | None:
+        if not self.fetched:
+            self.task, self.fetched = head_of_queue(self.tenant_id, now=now, aging=aging_seconds), True
+        return None if self.task is None else _head(self.task)
+
+    def take(self) -> Task:
+        """The head, which the next read of `head` no longer returns."""
+        task, self.task, self.fetched = self.task, None, False
+        assert task is not None
+        return task
 
 
 def admit(*, now: datetime) -> list[int]:
@@ -163,31 +178,28 @@ def admit(*, now: datetime) -> list[int]:
 
     Called by tasks/transitions.py inside the transaction of every transition that frees
     a slot or queues a task (any tenant may get the slot), by a quota change, and by the
-    sweeper's liveness check.
+    sweeper's liveness check. The choice is policy.fill_slots, which the replay runs too.
     """
     assert connection.in_atomic_block, "admission commits with the change that freed the slot"
     _serialize_admission()
-    free = settings.LONGHAUL_MAX_RUNNING - Task.objects.filter(status__in=_SLOT_STATUSES).count()
+    system = system_policy()
+    free = system.max_running - Task.objects.filter(status__in=_SLOT_STATUSES).count()
     if free <= 0:
         return []
-    queues = waiting_tenants()
     admitted: list[int] = []
-    while free > 0:
-        queue = _next_queue(queues, now=now)
-        if queue is None:
-            break
-        task, queue.head, queue.fetched = queue.head, None, False
-        assert task is not None
+
+    def take(queue: TenantQueue) -> bool:
+        task = queue.take()
         if not transitions.admit(task, now=now):
-            # Cannot happen under our row lock; if it does, leave the tenant to the next admission.
-            queues.remove(queue)
-            continue
+            return False  # cannot happen under our row lock; if it does, the tenant waits for the next admission
+        admission_records.admitted(task, tenant=policy.TenantPolicy(queue.weight, queue.max_running,
+                                                                    queue.max_queued),
+                                   system=system, now=now)
         kicks.kick("advance", task.pk)
         admitted.append(task.pk)
-        queue.running += 1
-        free -= 1
-        if queue.running >= queue.max_running:
-            queues.remove(queue)
+        return True
+
+    policy.fill_slots(waiting_tenants(), free=free, now=now, aging_seconds=system.aging_seconds, take=take)
     return admitted
 
 
@@ -216,36 +228,17 @@ def waiting_tenants() -> list[TenantQueue]:
         .annotate(running=Coalesce(Subquery(held), 0))
         .filter(running__lt=F("max_running"))
         .order_by("pk")
-        .values_list("pk", "weight", "max_running", "running")
+        .values_list("pk", "weight", "max_running", "max_queued", "running")
     )
-    return [TenantQueue(tenant_id=pk, weight=w, max_running=m, running=r) for pk, w, m, r in rows]
+    return [TenantQueue(tenant_id=pk, weight=w, max_running=m, max_queued=q, running=r) for pk, w, m, q, r in rows]
 
 
-def _next_queue(queues: list[TenantQueue], *, now: datetime) -> TenantQueue | None:
-    """The tenant furthest below its share, ties broken by its head's effective priority, then age.
-
-    Heads are fetched lazily, only for tenants tied at the lowest share.
-    """
-    while queues:
-        lowest = min(q.share for q in queues)
-        tied = [q for q in queues if q.share == lowest]
-        for queue in tied:
-            if not queue.fetched:
-                queue.head, queue.fetched = head_of_queue(queue.tenant_id, now=now), True
-            if queue.head is None:
-                queues.remove(queue)  # emptied meanwhile, or its rows are locked by a canceller
-        ready = [q for q in tied if q.head is not None]
-        if ready:
-            return min(ready, key=lambda q: _rank(q.head, now=now))  # type: ignore[arg-type]
-    return None
+def _head(task: Task) -> policy.Head:
+    return policy.Head(id=task.pk, priority=task.priority, queued_at=task.created_at,
+                       cancelling=task.waiting_reason == transitions.CANCEL_WAIT)
 
 
-def _rank(task: Task, *, now: datetime) -> tuple[int, datetime, int]:
-    """Sort key: highest effective priority first, then the oldest, then the lowest id."""
-    return (-effective_priority(task.priority, task.created_at, now=now), task.created_at, task.pk)
-
-
-def head_of_queue(tenant_id: int, *, now: datetime) -> Task | None:
+def head_of_queue(tenant_id: int, *, now: datetime, aging: float | None = None) -> Task | None:
     """The tenant's queued task to cancel, else the one with the highest effective priority,
     locked for admission.
 
@@ -262,8 +255,10 @@ def head_of_queue(tenant_id: int, *, now: datetime) -> Task | None:
     ids = _level_head_ids(tenant_id)
     if not ids:
         return None
-    heads = list(Task.objects.select_for_update(skip_locked=True).filter(pk__in=ids, status=TaskStatus.QUEUED))
-    return min(heads, key=lambda t: _rank(t, now=now)) if heads else None
+    heads = {t.pk: t for t in Task.objects.select_for_update(skip_locked=True).filter(pk__in=ids,
+                                                                                     status=TaskStatus.QUEUED)}
+    best = policy.best_head(map(_head, heads.values()), now=now, aging_seconds=aging_seconds() if aging is None else aging)
+    return None if best is None else heads[best.id]
 
 
 def _cancel_waiting(tenant_id: int) -> Task | None:

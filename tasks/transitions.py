@@ -15,6 +15,7 @@ from typing import Any
 from django.db import connection
 from django.db.models import Q
 
+from tasks import admission_records
 from tasks.errors import InvalidTransition
 from tasks.events import NewEvent, append
 from tasks.models import Operation, Task
@@ -69,6 +70,9 @@ def _move(
         _close_pending_operations(task, now=now)
     elif was == S.WAITING_INPUT:
         _close_pending_watch(task, now=now)
+    frees_slot = was in HOLDS_SLOT and to not in HOLDS_SLOT
+    if frees_slot or to in TERMINAL:
+        admission_records.released(task, slot=frees_slot, ended=to in TERMINAL, now=now)
     _admit_after(was, to, now=now)
     return True
 
@@ -104,6 +108,7 @@ def enqueue_new(task: Task, *, now: datetime, events: list[NewEvent]) -> None:
     """A task just created as queued: its first event, and admission if a slot is free."""
     assert connection.in_atomic_block, "a new task and its admission commit together"
     append(task, events, status=task.status, at=now)
+    admission_records.arrived(task)
     _admit_after("", task.status, now=now)
 
 
@@ -133,12 +138,14 @@ def admit(task: Task, *, now: datetime) -> bool:
 def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> bool:
     """running/retry_wait -> running with a new lease and the next fencing token."""
     taken_over = bool(task.lease_owner)
+    # Its first step's first claim: the admission record's started_at (a cheap test, so later steps write nothing).
+    first = task.current_step == 0 and task.attempts == 0 and not taken_over and task.status == S.RUNNING
     events = []
     if taken_over:
         events.append(NewEvent("recovered", {"step": task.current_step}))
     if task.status == S.RETRY_WAIT:
         events.append(NewEvent("retrying", {"retries": task.retries}))
-    return _move(
+    won = _move(
         task,
         S.RUNNING,
         allowed_from=CLAIMABLE,
@@ -154,6 +161,9 @@ def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> boo
         },
         events=events,
     )
+    if won and first:
+        admission_records.started(task, now=now)
+    return won
 
 
 def commit_step(

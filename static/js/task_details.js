@@ -7,7 +7,7 @@
 
 import { api } from "./api.js";
 import { h } from "./dom.js";
-import { clockTime, duration, number } from "./format.js";
+import { clockTime, duration, number, shortTime } from "./format.js";
 import { gettext, interpolate, ngettext } from "./i18n.js";
 import { renderMarkdown } from "./markdown.js";
 import { questionForm } from "./question_form.js";
@@ -57,6 +57,8 @@ const EVENT_WORDS = {
   retry_scheduled: (d) => interpolate(
     gettext("Will retry after an error (%(reason)s)"), { reason: errorWords(d.error_class) }),
   retrying: () => gettext("Retrying"),
+  pool_paused: (d) => interpolate(gettext("Waiting for the %(pool)s pool: rate limited until %(until)s"),
+    { pool: d.pool, until: shortTime(d.until) }),
   recovered: () => gettext("Picked up again after a worker stopped"),
   input_required: (d) => interpolate(gettext("Asked: %(question)s"), d),
   input_received: () => gettext("Got your answer"),

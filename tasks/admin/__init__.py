@@ -14,6 +14,7 @@ Membership admin; a superuser sees everything (scoping.py).
     alerts.py    alerts, and the open ones shown on the admin index
     tenants.py   tenants with their quotas and task counts
     tokens.py    API tokens, by the tenants of their users
+    pools.py     gateway pools: limits, load and pauses (superusers)
 
 Django's autodiscovery imports this package; importing the modules registers their admins.
 """
@@ -22,6 +23,6 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from tasks.admin import alerts, audit, history, tasks, tenants, tokens  # noqa: F401  (each registers its admins)
+from tasks.admin import alerts, audit, history, pools, tasks, tenants, tokens  # noqa: F401  (each registers its admins)
 
 alerts.show_open_alerts_on_index(admin.site)

@@ -77,15 +77,19 @@ async def with_retries(
     budget: RetryBudget,
     sleep: Sleep = asyncio.sleep,
     retry_on: tuple[type[StepError], ...] = (TransientError, RateLimited, StepTimeout),
+    max_inline_wait: float = MAX_INLINE_WAIT_S,
 ) -> T:
-    """Run `attempt` until it succeeds, retrying the given error classes while the budget lasts."""
+    """Run `attempt` until it succeeds, retrying the given error classes while the budget lasts.
+
+    A Retry-After longer than `max_inline_wait` is raised rather than slept: a provider's calls pass 0,
+    so that its 429 pauses its whole pool (tasks/pools.py) instead of each call waiting on its own."""
     retries = 0
     while True:
         try:
             return await attempt()
         except retry_on as exc:
             retry_after = getattr(exc, "retry_after", None)
-            if retry_after is not None and retry_after > MAX_INLINE_WAIT_S:
+            if retry_after is not None and retry_after > max_inline_wait:
                 raise
             if not budget.take():
                 raise

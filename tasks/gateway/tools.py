@@ -79,8 +79,9 @@ async def search(query: str, *, limit: int, client: httpx.AsyncClient, budget: R
             return await asyncio.to_thread(corpus.search, query, limit=limit)
         except sqlite3.Error as exc:
             raise InternalError(f"search: the offline corpus failed: {exc}") from exc
+    # A 429's Retry-After pauses the search pool (tasks/pools.py), not this call alone.
     return await with_retries(lambda: web_search(endpoint, query, limit=limit, client=client),
-                              budget=budget, sleep=sleep)
+                              budget=budget, sleep=sleep, max_inline_wait=0)
 
 
 async def web_search(endpoint: str, query: str, *, limit: int, client: httpx.AsyncClient) -> list[dict[str, str]]:

@@ -66,16 +66,30 @@ async def test_it_parses_a_completion_and_records_usage(fake_openai):
     assert sleep.delays == []
 
 
-async def test_it_waits_out_retry_after_then_succeeds(fake_openai):
+async def test_a_retry_after_is_handed_to_the_pool_not_waited_out_in_the_call(fake_openai):
+    # The gateway pauses the model's whole pool until then (tests/integration/test_pools.py): a call that
+    # slept on its own would keep its slot while every other call of the pool hit the same 429.
     fake_openai.script(Status(429, headers={"Retry-After": "3"}), Reply(content=PLAN_REPLY))
+    provider, sleep = provider_for(fake_openai)
+    budget = RetryBudget(3)
+
+    with pytest.raises(RateLimited) as raised:
+        await call(provider, PLAN, budget)
+
+    assert raised.value.retry_after == 3.0
+    assert fake_openai.request_count == 1 and sleep.delays == []
+    assert budget.used == 0
+
+
+async def test_a_429_without_retry_after_is_retried_in_the_call(fake_openai):
+    fake_openai.script(Status(429), Reply(content=PLAN_REPLY))
     provider, sleep = provider_for(fake_openai)
     budget = RetryBudget(3)
 
     result = await call(provider, PLAN, budget)
 
     assert result.output["subquestions"]
-    assert fake_openai.request_count == 2
-    assert len(sleep.delays) == 1 and sleep.delays[0] >= 3.0
+    assert fake_openai.request_count == 2 and len(sleep.delays) == 1
     assert budget.used == 1
 
 

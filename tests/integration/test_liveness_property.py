@@ -65,8 +65,8 @@ from chat import runs
 from chat.models import Message, Run, Thread, ThreadItem
 from chat.streams import STATUS_CHANGE_KINDS, number_new_items
 from tasks import actions, clock, kicks, leases, notifications, operations, runner, sweeper
-from tasks.errors import Conflict
-from tasks.models import Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, SleepEffect, Task, TaskEvent
+from tasks.errors import Conflict, RateLimited
+from tasks.models import Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, Pool, SleepEffect, Task, TaskEvent
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
 from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, write_servers_file
 from tests.fakes.openai_server import FakeOpenAI, Reply, Status, research_reply
@@ -111,7 +111,7 @@ QUIET_SWEEPS = 4
 # --- the world each example starts from ------------------------------------------------------------
 
 RUNTIME_TABLES = [ThreadItem, Message, Run, Alert, SleepEffect, IdempotencyRecord, Operation, Checkpoint, TaskEvent, Task,
-                  Thread, AuditEntry, OrmQ]
+                  Thread, AuditEntry, OrmQ, Pool]
 
 
 def reset_tables() -> None:
@@ -240,6 +240,8 @@ MODEL_ANSWERS = {
     "answers": Reply(content=research_reply),
     "fails": Status(500),
     "answers malformed": Reply(content="this is not the JSON you asked for"),
+    # Pauses the model's pool (tasks/pools.py): its calls wait for the pause, on their tasks' retry budgets.
+    "rate-limits": Status(429, headers={"Retry-After": "20"}),
 }
 
 
@@ -257,6 +259,9 @@ def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, mod
     settings.LONGHAUL_MCP_POLL_FLOOR_MS = 50
     settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS = 0.4
     settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = 5
+    # Searches are rate-limited: a pool held back by its rate must still get its calls run.
+    settings.LONGHAUL_POOLS = {"tool:search": {"requests_per_minute": 6}}
+    settings.LONGHAUL_TASK_CALLS_IN_FLIGHT = 2
     # The model client retries inline, sleeping for real: keep those sleeps short.
     settings.LONGHAUL_RETRY_BASE_SECONDS = 0.02
     settings.LONGHAUL_RETRY_CAP_SECONDS = 60.0
@@ -272,7 +277,13 @@ def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, mod
     async def counted_execute(op, *, client, budget):
         FAULTS.executions[op.key] += 1
         MEANWHILE.reached("call")
-        return await real_execute(op, client=client, budget=budget)
+        try:
+            return await real_execute(op, client=client, budget=budget)
+        except RateLimited as refused:
+            if refused.retry_after is not None:
+                # The provider refused it (429): it did not run, and runs when its pool's pause ends.
+                FAULTS.executions[op.key] -= 1
+            raise
 
     monkeypatch.setattr(operations, "_execute", counted_execute)
     real_respond = chat.agent.respond

@@ -11,7 +11,7 @@ from django.db import transaction
 from django.test import Client
 from prometheus_client.parser import text_string_to_metric_families
 
-from tasks import clock, scheduling
+from tasks import clock, pools, scheduling
 from tasks.events import NewEvent, append
 from tasks.models import Membership, Operation, Task, Tenant
 from tasks.statuses import NotificationStatus, OperationStatus, TaskStatus
@@ -198,14 +198,15 @@ def test_it_exposes_pool_saturation_and_call_latency(acme, alice, settings):
     call(2, status=OperationStatus.SUCCEEDED, usage={"duration_ms": 1500}, finished_at=now)
     call(3, status=OperationStatus.FAILED, usage={"duration_ms": 40}, finished_at=now)
     found = samples(scrape(**bearer(TOKEN)))
-    assert value(found, "longhaul_pool_size", pool="model") == 4
-    assert value(found, "longhaul_pool_in_flight", pool="model") == 1
-    assert value(found, "longhaul_pool_saturation", pool="model") == 0.25
-    assert value(found, "longhaul_pool_pending", pool="model") == 1
-    assert value(found, "longhaul_pool_in_flight", pool="tool") == 0
-    assert value(found, "longhaul_operation_duration_seconds_bucket", pool="model", name="chat", le="0.05") == 1
-    assert value(found, "longhaul_operation_duration_seconds_bucket", pool="model", name="chat", le="2.5") == 2
-    assert value(found, "longhaul_operation_duration_seconds_gsum", pool="model",
+    model = pools.key_of("model", "chat", None)  # the configured model's pool
+    assert value(found, "longhaul_pool_size", kind="model", pool=model) == 4
+    assert value(found, "longhaul_pool_in_flight", kind="model", pool=model) == 1
+    assert value(found, "longhaul_pool_saturation", kind="model", pool=model) == 0.25
+    assert value(found, "longhaul_pool_pending", kind="model", pool=model) == 1
+    assert value(found, "longhaul_pool_in_flight", kind="tool", pool="tool:search") == 0
+    assert value(found, "longhaul_operation_duration_seconds_bucket", pool=model, name="chat", le="0.05") == 1
+    assert value(found, "longhaul_operation_duration_seconds_bucket", pool=model, name="chat", le="2.5") == 2
+    assert value(found, "longhaul_operation_duration_seconds_gsum", pool=model,
                  name="chat") == pytest.approx(1.54)
 
 

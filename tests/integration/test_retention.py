@@ -30,6 +30,7 @@ def _retention(settings):
     settings.LONGHAUL_RETENTION_RESULTS_DAYS = 0
     settings.LONGHAUL_RETENTION_MESSAGES_DAYS = 0
     settings.LONGHAUL_RETENTION_AUDIT_DAYS = 0
+    settings.LONGHAUL_RETENTION_ADMISSIONS_DAYS = 0  # tests/integration/test_replay_schedule.py purges them
 
 
 def task_with_data(tenant, user, *, status: str = S.SUCCEEDED, ended_days_ago: float | None = 100) -> Task:

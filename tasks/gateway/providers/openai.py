@@ -107,7 +107,9 @@ class OpenAIProvider:
         body = self._request_body(call)
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for attempt in range(2):
-            completion = await with_retries(lambda: self._post(client, body), budget=budget, sleep=self._sleep)
+            # A 429's Retry-After pauses the model's pool (tasks/pools.py), not this call alone.
+            completion = await with_retries(lambda: self._post(client, body), budget=budget, sleep=self._sleep,
+                                            max_inline_wait=0)
             reported = completion.get("usage") if isinstance(completion.get("usage"), dict) else {}
             for key in usage:
                 value = reported.get(key)
