@@ -62,6 +62,7 @@ STOPS_REMOTE_WORK = "tasks/cancel"  # an MCP call that runs whatever became of i
 WATCH_PREFIX = "w"  # task:step:w<n>, the calls that watch a remote task while its owner is asked
 WATCH_AGAIN_AFTER = timedelta(seconds=60)  # a question that still stands is looked at again no sooner
 WATCHDOG_MARGIN = timedelta(milliseconds=500)
+CANDIDATES_AT_MOST = 5_000  # due calls one claim of one pool reads
 WATCHDOG_STEP = timedelta(seconds=2)
 LOST = ("the gateway job running this call stopped before it answered, so the call may or may not have started; "
         "it is not run again")
@@ -109,7 +110,8 @@ def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime,
         events.append(task, [NewEvent(pools.PAUSED, {"pool": pools.label(key), "kind": pools.kind_of(key),
                                                      "until": until.isoformat(), "reason": "rate_limited"})
                              for key, until in sorted(paused.items())], status=task.status, at=now)
-        due = max(due, min(paused.values()))
+        if set(paused) == {op.pool for op in stored}:  # a call in a pool that is not paused goes at once
+            due = max(due, min(paused.values()))
     return due
 
 
@@ -265,18 +267,22 @@ def _at_task_cap(now: datetime):
 
 
 def _candidates(pool: str, now: datetime, *, limit: int) -> list[pools.Candidate]:
-    """The pool's due calls a claim may start, oldest first: at most a task's cap from any one task, none
-    from a task already at it (so a task's thousand calls cannot hide another task's one)."""
+    """The pool's due calls a claim may start, oldest first: at most `limit` from any one tenant and a
+    task's cap from any one task, none from a task already at it (so a task's or a tenant's thousand calls
+    cannot hide another's one)."""
     cap = settings.LONGHAUL_TASK_CALLS_IN_FLIGHT
-    ranked = (_runnable(pool, now).exclude(task_id__in=_at_task_cap(now))
-              .annotate(nth=Window(RowNumber(), partition_by=[F("task_id")], order_by=F("id").asc())))
-    rows = ranked.filter(nth__lte=cap).order_by("id").values_list("pk", "task_id", "task__tenant_id")[:limit]
+    ranked = (_runnable(pool, now).exclude(task_id__in=_at_task_cap(now)).annotate(
+        nth=Window(RowNumber(), partition_by=[F("task_id")], order_by=F("id").asc()),
+        # Per tenant too: a tenant with a thousand due calls must not hide another tenant's one.
+        nth_of_tenant=Window(RowNumber(), partition_by=[F("task__tenant_id")], order_by=F("id").asc())))
+    rows = (ranked.filter(nth__lte=cap, nth_of_tenant__lte=limit).order_by("id")
+            .values_list("pk", "task_id", "task__tenant_id")[:CANDIDATES_AT_MOST])
     return [pools.Candidate(op_id, task_id, tenant_id) for op_id, task_id, tenant_id in rows]
 
 
 def _choose(pool: str, room: int, now: datetime) -> list[pools.Candidate]:
     """Up to `room` of the pool's due calls, shared among tenants by weight and among tasks by their cap."""
-    candidates = _candidates(pool, now, limit=max(room * 4, settings.LONGHAUL_TASK_CALLS_IN_FLIGHT * 8))
+    candidates = _candidates(pool, now, limit=room)
     if not candidates:
         return []
     task_ids = {c.task_id for c in candidates}
@@ -553,12 +559,16 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
         log.exception("operation %s failed", op.key)
         error = InternalError(f"internal error in {op.kind} call {op.name} ({type(exc).__name__})",
                               detail=traceback.format_exc())
-    if (isinstance(error, RateLimited) and error.retry_after is not None and pools.pauses_on_rate_limit(op.pool)
-            and budget.take()):
-        # The provider asks every caller to wait: the pool pauses, and this call runs again when it ends.
-        until = clock.now() + timedelta(seconds=error.retry_after)
-        if await sync_to_async(defer)(op, owner=owner, until=until, retries_used=budget.used):
-            await sync_to_async(pools.pause)(op.pool, seconds=error.retry_after, reason=str(error), now=clock.now())
+    if isinstance(error, RateLimited) and error.retry_after is not None and pools.pauses_on_rate_limit(op.pool):
+        # The provider asks every caller to wait: the pool pauses, and this call runs again when it ends,
+        # if its task has a retry left and still waits for it.
+        now = clock.now()
+        until, news = await sync_to_async(pools.pause)(op.pool, seconds=error.retry_after, reason=str(error), now=now)
+        handed_back = budget.take() and await sync_to_async(defer)(op, owner=owner, until=until,
+                                                                   retries_used=budget.used)
+        if news:
+            await sync_to_async(pools.tell_waiting)(op.pool, until=until, now=now)
+        if handed_back:
             return
     usage = {**(usage or {}), "duration_ms": int((time.monotonic() - started) * 1000)}
     try:
@@ -578,6 +588,9 @@ def defer(op: Operation, *, owner: str, until: datetime, retries_used: int) -> b
     are counted on its task, so 429s are bounded by the task's one retry budget; a clean hand-back is not
     an attempt whose gateway job died, so its attempt is given back."""
     with transaction.atomic():
+        task = Task.objects.select_for_update().only("status").get(pk=op.task_id)  # the recorders' lock order
+        if task.status in TERMINAL:
+            return False  # ended meanwhile: the call is recorded as it ended, and _finish sees to the rest
         handed = Operation.objects.filter(pk=op.pk, status=OperationStatus.STARTED, lease_owner=owner).update(
             status=OperationStatus.PENDING, lease_owner="", lease_expires_at=None, started_at=None, not_before=until,
             attempts=F("attempts") - 1)

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 PAUSED = "pool_paused"  # the event a task waiting on a paused pool is told
 MAX_PAUSE = timedelta(hours=1)  # a Retry-After beyond this is taken as an hour: a typo must not stall a pool for days
 TELL_AT_MOST = 500  # tasks told of one pause (the rest see it in /metrics and the admin)
+TOOLS = ("search", "visit")  # the gateway's tools (tasks/gateway/tools.py), each a pool
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def key_of(kind: str, name: str, args: Any) -> str:
         return f"model:{model_label()}"
     if kind == "mcp":
         server = args.get("server") if isinstance(args, dict) else None
-        return f"mcp:{server}"
+        return f"mcp:{server or ''}"
     return f"{kind}:{name}"
 
 
@@ -105,7 +106,7 @@ def known() -> list[str]:
     """Pools worth showing before any call used them: those configured, the model's, the tools', the servers'."""
     from tasks.mcp import config
 
-    keys = {key_of("model", "", None), "tool:search", "tool:visit", *settings.LONGHAUL_POOLS}
+    keys = {key_of("model", "", None), *(f"tool:{name}" for name in TOOLS), *settings.LONGHAUL_POOLS}
     keys.update(f"mcp:{name}" for name in config.servers())
     keys.update(Pool.objects.values_list("key", flat=True))
     return sorted(keys)
@@ -115,12 +116,12 @@ def known() -> list[str]:
 
 
 def state(key: str, *, now: datetime) -> Pool:
-    """The pool's row, locked, with its allowances refilled to `now`. A new pool starts with a full minute."""
+    """The pool's row, locked, with its allowances refilled to `now`. A pool never used (no row, or one the
+    admin listed) starts with a full minute."""
     pool_limits = limits(key)
-    pool, _ = Pool.objects.select_for_update().get_or_create(key=key, defaults={
-        "requests_allowance": float(pool_limits.requests_per_minute),
-        "tokens_allowance": float(pool_limits.tokens_per_minute), "refilled_at": now})
-    elapsed = max(0.0, (now - (pool.refilled_at or now)).total_seconds())
+    pool, _ = Pool.objects.select_for_update().get_or_create(key=key)
+    # Never refilled: a full minute's worth, whatever the row says.
+    elapsed = 60.0 if pool.refilled_at is None else max(0.0, (now - pool.refilled_at).total_seconds())
     for field, per_minute in (("requests_allowance", pool_limits.requests_per_minute),
                               ("tokens_allowance", pool_limits.tokens_per_minute)):
         if per_minute:
@@ -207,10 +208,10 @@ def spend_tokens(key: str, tokens: int, *, now: datetime) -> None:
         pool.save(update_fields=["requests_allowance", "tokens_allowance", "refilled_at"])
 
 
-def pause(key: str, *, seconds: float, reason: str, now: datetime) -> datetime:
-    """A provider answered 429 with Retry-After: nothing of the pool starts until then. Returns the end
-    of the pause (a later pause already in force stands). Tasks waiting on the pool are told once per
-    pause, not once per refused call."""
+def pause(key: str, *, seconds: float, reason: str, now: datetime) -> tuple[datetime, bool]:
+    """A provider answered 429 with Retry-After: nothing of the pool starts until then (at most MAX_PAUSE).
+    Returns the end of the pause (a later pause already in force stands) and whether it is news: the
+    caller tells the tasks waiting on the pool then (tell_waiting), once per pause, not once per call."""
     until = now + min(timedelta(seconds=max(0.0, seconds)), MAX_PAUSE)
     with transaction.atomic():
         pool = state(key, now=now)
@@ -223,9 +224,7 @@ def pause(key: str, *, seconds: float, reason: str, now: datetime) -> datetime:
                                  "pause_reason", "pauses"])
         until = pool.paused_until  # type: ignore[assignment]
     log.warning("pool %s paused until %s: %s", key, until.isoformat(), reason)
-    if news:
-        tell_waiting(key, until=until, now=now)
-    return until
+    return until, news
 
 
 def tell_waiting(key: str, *, until: datetime, now: datetime, task_ids: Iterable[int] | None = None) -> None:

@@ -61,7 +61,7 @@ def retry_after_seconds(value: str | None) -> float | None:
     except ValueError:
         pass
     else:
-        return None if math.isnan(seconds) else max(0.0, seconds)
+        return max(0.0, seconds) if math.isfinite(seconds) else None  # "inf" says nothing usable
     try:
         when = parsedate_to_datetime(value)
     except (TypeError, ValueError):

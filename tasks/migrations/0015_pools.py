@@ -7,12 +7,13 @@ from django.db.models.functions import Concat
 
 
 def name_pools(apps, schema_editor):
-    """Calls already requested take the pools they would be requested in today: a model call its
-    configured model's, a tool call its tool's, an MCP call its server's."""
+    """Calls waiting or in flight take the pools they would be requested in today: a model call its
+    configured model's, a tool call its tool's, an MCP call its server's. Finished calls are never claimed
+    again, and rewriting them all would hold the table's lock for as long."""
     from tasks.gateway.providers import model_label
 
     Operation = apps.get_model("tasks", "Operation")
-    gateway = Operation.objects.filter(mode="gateway")
+    gateway = Operation.objects.filter(mode="gateway", status__in=("pending", "started"))
     gateway.filter(kind="model").update(pool=f"model:{model_label()}")
     gateway.filter(kind="tool").update(pool=Concat(Value("tool:"), "name"))
     gateway.filter(kind="mcp").update(pool=Concat(Value("mcp:"), KT("args__server")))

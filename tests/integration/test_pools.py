@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.db import transaction
 from django.test import Client
 
 from project import pools as pool_settings
@@ -180,7 +181,7 @@ def test_a_429_with_retry_after_pauses_the_models_pool_and_tells_its_tasks(fake_
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_429_without_retries_left_fails_the_call_as_before(fake_model, acme, alice, settings):
+def test_a_429_without_retries_left_fails_the_call_and_still_pauses_the_pool(fake_model, acme, alice, settings):
     task = waiting_for_its_plan(acme, alice)
     Task.objects.filter(pk=task.pk).update(budget={**task.budget, "max_retries": 0})
     fake_model.script(Status(429, headers={"Retry-After": "120"}))
@@ -188,7 +189,83 @@ def test_a_429_without_retries_left_fails_the_call_as_before(fake_model, acme, a
     assert operations.run_due(run_for=2) == 1
     op = Operation.objects.get(task=task, kind="model")
     assert (op.status, op.error_class) == (Op.FAILED, "rate_limited")
-    assert not Pool.objects.filter(paused_until__isnull=False).exists()
+    assert Pool.objects.get(key="model:openai:fake-model").paused_until is not None, (
+        "the provider asked every caller to wait, not only those with retries left")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_retry_after_beyond_an_hour_is_an_hours_pause_for_the_call_too(fake_model, acme, alice):
+    task = waiting_for_its_plan(acme, alice)
+    fake_model.script(Status(429, headers={"Retry-After": "864000"}))
+
+    assert operations.run_due(run_for=2) == 1
+    pool = Pool.objects.get(key="model:openai:fake-model")
+    op = Operation.objects.get(task=task, kind="model")
+    assert pool.paused_until - clock.now() <= pools.MAX_PAUSE
+    assert (op.status, op.not_before) == (Op.PENDING, pool.paused_until)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_429_for_a_task_cancelled_meanwhile_is_recorded_not_handed_back(fake_model, acme, alice):
+    task = waiting_for_its_plan(acme, alice)
+    gate = fake_model.hold(lambda body: True)
+    fake_model.script(Status(429, headers={"Retry-After": "60"}))
+
+    import threading
+
+    ran = threading.Thread(target=operations.run_due, kwargs={"run_for": 2})
+    ran.start()
+    try:
+        deadline = clock.now() + timedelta(seconds=10)
+        while fake_model.held == 0 and clock.now() < deadline:
+            threading.Event().wait(0.02)
+        actions.request_cancel(Task.objects.get(pk=task.pk), user=alice)
+    finally:
+        gate.set()
+        ran.join(10)
+    op = Operation.objects.get(task=task, kind="model")
+    assert Task.objects.get(pk=task.pk).status == TaskStatus.CANCELLED
+    assert op.status == Op.FAILED, "a call its ended task no longer waits for is closed, not pending for ever"
+
+
+def test_a_retry_after_of_infinity_says_nothing():
+    from tasks.gateway.retry import retry_after_seconds
+
+    assert retry_after_seconds("inf") is None and retry_after_seconds("1e400") is None
+
+
+@pytest.mark.django_db
+def test_a_step_asking_a_paused_pool_and_a_free_one_is_not_held_for_the_pause(acme, alice):
+    from tasks.drivers import OpRequest
+
+    now = clock.now()
+    until, _ = pools.pause("tool:search", seconds=600, reason="429", now=now)
+    task = waiting_for_tools(acme, alice)
+    with transaction.atomic():
+        due = operations.request(task, token=0, now=now, step=0, requests=[
+            OpRequest("tool", "search", {"query": "q"}), OpRequest("tool", "visit", {"url": "https://example.org/"})])
+    assert due == now, "the read goes at once"
+    with transaction.atomic():
+        due = operations.request(task, token=0, now=now, step=0, requests=[OpRequest("tool", "search", {"query": "r"})])
+    assert due == until
+
+
+@pytest.mark.django_db
+def test_a_pool_the_admin_listed_before_its_first_call_starts_with_a_full_minute(acme, alice, settings):
+    settings.LONGHAUL_POOLS = {"tool:search": {"requests_per_minute": 3}}
+    Pool.objects.bulk_create([Pool(key=key) for key in pools.known()], ignore_conflicts=True)  # as the admin does
+    for _ in range(5):
+        call(waiting_for_tools(acme, alice), 0)
+    assert len(claimed()) == 3
+
+
+@pytest.mark.django_db
+def test_a_pools_setting_naming_no_pool_is_warned_about(settings):
+    from tasks.checks import pools_named
+
+    settings.LONGHAUL_POOLS = {"tool:serch": {"concurrency": 2}, "tool:search": {"concurrency": 2}}
+    warnings = pools_named()
+    assert [w.id for w in warnings] == ["longhaul.W001"] and "'tool:serch'" in warnings[0].msg
 
 
 @pytest.mark.django_db
@@ -228,6 +305,17 @@ def test_a_busy_pools_slots_follow_tenant_weights(acme, alice, globex, charlie, 
 
     got = Counter(Task.objects.get(pk=op.task_id).tenant_id for op in claimed())
     assert got == {acme.pk: 3, globex.pk: 1}
+
+
+@pytest.mark.django_db
+def test_a_tenant_with_many_older_calls_does_not_hide_another_tenants_one(acme, alice, globex, charlie, settings):
+    settings.LONGHAUL_POOLS = {"tool:search": {"concurrency": 4}}
+    Tenant.objects.filter(pk=globex.pk).update(weight=10)
+    for _ in range(70):
+        call(waiting_for_tools(acme, alice), 0)
+    late = call(waiting_for_tools(globex, charlie), 0)
+
+    assert late.pk in {op.pk for op in claimed()}
 
 
 def test_choose_gives_leftovers_to_weight_zero_and_skips_capped_tasks():

@@ -31,7 +31,7 @@ def parse_weights(text: str) -> dict[str, int]:
         slug = slug.strip()
         if not sep or not slug:
             raise CommandError(f"--weights {pair.strip()!r} is not slug=weight (e.g. acme=3,globex=1)")
-        if not value.strip().isdigit():
+        if not value.strip().isascii() or not value.strip().isdecimal():
             raise CommandError(f"--weights {slug}={value.strip()}: the weight must be a whole number from 0")
         if slug in weights:
             raise CommandError(f"--weights names {slug} twice")
