@@ -260,7 +260,7 @@ def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, mod
     settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS = 0.4
     settings.LONGHAUL_MCP_CANCEL_CONFIRM_SECONDS = 5
     # Searches are rate-limited: a pool held back by its rate must still get its calls run.
-    settings.LONGHAUL_POOLS = {"tool:search": {"requests_per_minute": 6}}
+    settings.LONGHAUL_POOLS = {"tool:search": {"requests_per_minute": 30}}
     settings.LONGHAUL_TASK_CALLS_IN_FLIGHT = 2
     # The model client retries inline, sleeping for real: keep those sleeps short.
     settings.LONGHAUL_RETRY_BASE_SECONDS = 0.02
