@@ -15,6 +15,7 @@ Membership admin; a superuser sees everything (scoping.py).
     tenants.py   tenants with their quotas and task counts
     tokens.py    API tokens, by the tenants of their users
     pools.py     gateway pools: limits, load and pauses (superusers)
+    admissions.py  admission records, as replay_schedule reads them
 
 Django's autodiscovery imports this package; importing the modules registers their admins.
 """
@@ -23,6 +24,6 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from tasks.admin import alerts, audit, history, pools, tasks, tenants, tokens  # noqa: F401  (each registers its admins)
+from tasks.admin import admissions, alerts, audit, history, pools, tasks, tenants, tokens  # noqa: F401  (each registers its admins)
 
 alerts.show_open_alerts_on_index(admin.site)

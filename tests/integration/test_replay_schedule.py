@@ -240,3 +240,19 @@ def test_old_records_are_purged_with_their_retention(acme, alice, settings):
     assert retention.purge(now)["admissions"] == 1
     assert list(AdmissionRecord.objects.values_list("task_id", flat=True)) == [recent.pk]
     assert Task.objects.filter(pk=old.pk).exists(), "the task itself is another class's business"
+
+
+def test_the_admin_lists_an_operators_own_tenants_records_only(acme, alice, globex, charlie):
+    from django.test import Client
+
+    from tests.integration.test_admin import make_operator
+
+    mine, theirs = submit(acme, alice), submit(globex, charlie)
+    operator = make_operator("acme-operator", acme, permissions=("tasks.view_admissionrecord",))
+    client = Client()
+    client.force_login(operator)
+
+    page = client.get("/admin/tasks/admissionrecord/")
+    assert page.status_code == 200
+    shown = {record.task_id for record in page.context["cl"].result_list}
+    assert shown == {mine.pk}, f"globex's task {theirs.pk} must not be listed to an acme operator"
