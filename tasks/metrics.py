@@ -342,7 +342,8 @@ def pool_metrics(*, now: datetime) -> Iterator[Metric]:
     }
     pauses = CounterMetricFamily("longhaul_pool_rate_limited",
                                  "429s with Retry-After that paused a pool, since it was first used.", labels=labels)
-    keys = sorted(set(pools.known()) | set(in_flight) | set(pending) | set(orphaned))
+    # Pools used so far (their rows, read once above), those configured, and those with calls.
+    keys = sorted(set(pools.known()) | set(states) | set(in_flight) | set(pending) | set(orphaned))
     for key in keys:
         limits, flying, state = pools.limits(key), in_flight.get(key, 0), states.get(key)
         left = max(0.0, (state.paused_until - now).total_seconds()) if state and state.paused_until else 0.0

@@ -108,7 +108,6 @@ def known() -> list[str]:
 
     keys = {key_of("model", "", None), *(f"tool:{name}" for name in TOOLS), *settings.LONGHAUL_POOLS}
     keys.update(f"mcp:{name}" for name in config.servers())
-    keys.update(Pool.objects.values_list("key", flat=True))
     return sorted(keys)
 
 
