@@ -57,6 +57,7 @@ test-unit: venv
 # A database of its own: the ORM broker table is shared with any qcluster on the same database.
 BENCH_DATABASE_URL ?= postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench
 bench: venv
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[test,bench]'
 	bin/ensure-postgres
 	bin/ensure-redis
 	DATABASE_URL='$(BENCH_DATABASE_URL)' REDIS_URL='redis://127.0.0.1:6379/0' $(BIN)/python bench/run_all.py

@@ -327,17 +327,33 @@ def purge_tenant(tenant_id: int, user_ids: list[int]) -> None:
     then the broker rows (kicks) that name its tasks or runs."""
     from rest_framework.authtoken.models import Token
 
-    from chat.models import Message, Run, Thread
-    from tasks.models import (Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, SleepEffect, Task,
-                              TaskEvent)
+    from chat.models import Message, Proposal, Run, Thread, ThreadItem
+    from tasks.models import (
+        AdmissionRecord,
+        Alert,
+        AuditEntry,
+        Checkpoint,
+        IdempotencyRecord,
+        Operation,
+        SleepEffect,
+        Task,
+        TaskEvent,
+    )
+    from webhooks.models import Delivery, Endpoint
 
     task_ids = _ids(f"SELECT id FROM {_t(Task)} WHERE tenant_id = %s", [tenant_id])
     run_ids = _ids(f"SELECT id FROM {_t(Run)} WHERE tenant_id = %s", [tenant_id])
     mine = f"(SELECT id FROM {_t(Task)} WHERE tenant_id = %s)"
     statements = [
+        (f"DELETE FROM {_t(ThreadItem)} WHERE thread_id IN (SELECT id FROM {_t(Thread)} WHERE tenant_id = %s)",
+         [tenant_id]),
         (f"DELETE FROM {_t(Message)} WHERE thread_id IN (SELECT id FROM {_t(Thread)} WHERE tenant_id = %s)",
          [tenant_id]),
+        (f"DELETE FROM {_t(Proposal)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(Run)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Delivery)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(Endpoint)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(AdmissionRecord)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(TaskEvent)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(Checkpoint)} WHERE task_id IN {mine}", [tenant_id]),
         (f"DELETE FROM {_t(Operation)} WHERE task_id IN {mine}", [tenant_id]),

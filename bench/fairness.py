@@ -8,9 +8,9 @@ Phases, all with sleep tasks of STEPS steps of STEP_SECONDS each:
   1. idle baseline: the light tenant submits tasks one at a time on an empty system;
   2. flood: the heavy tenant submits 100x the light tenant's total, keeping every slot busy;
   3. trickle: the light tenant submits single tasks, each after the previous one finished (it
-     holds no slot: the wait is how long a newcomer waits for one of the 4 running tasks to end;
-     slots are not preempted, so with tasks of 3 steps that is about 1.6 step-times at p95 even
-     without any overhead);
+     holds no slot: admission asks one of the heavy tenant's running tasks to give its slot back,
+     which it does at its next step boundary, LONGHAUL_TAKE_SLOTS_BACK; without that the newcomer
+     waited for one of the 4 running tasks to end, about 1.6 step-times at p95 with 3-step tasks);
   4. burst: once the light tenant holds no slot, it submits a batch at once: both tenants are
      backlogged until the batch's last task is admitted; slot-time shares are measured there.
 Targets: the light tenant's p95 wait under the flood within 2 step-times (measured, checkpoint to

@@ -378,6 +378,9 @@ LONGHAUL_VISIT_TIMEOUT_S = envfloat("LONGHAUL_VISIT_TIMEOUT_S", 15.0, minimum=0.
 LONGHAUL_CORPUS_PATH = envstr("LONGHAUL_CORPUS_PATH", str(VAR_DIR / "corpus.sqlite3"))
 LONGHAUL_SOURCE_MAX_AGE_SECONDS = envint("LONGHAUL_SOURCE_MAX_AGE_SECONDS", 24 * 3600, minimum=1)
 LONGHAUL_AGING_SECONDS = envfloat("LONGHAUL_AGING_SECONDS", 60.0, minimum=1.0)  # one priority point per this long queued
+# With every slot taken, a tenant owed one by the weights gets one back at another tenant's next step
+# boundary instead of waiting for a task to end (tasks/scheduling.py, take_a_slot_back).
+LONGHAUL_TAKE_SLOTS_BACK = envbool("LONGHAUL_TAKE_SLOTS_BACK", True)
 LONGHAUL_METRICS_TOKEN = envstr("LONGHAUL_METRICS_TOKEN")  # bearer token for /metrics; empty: staff sessions only
 LONGHAUL_METRICS_LONG_WAIT_SECONDS = envfloat("LONGHAUL_METRICS_LONG_WAIT_SECONDS", 300.0, minimum=1.0)
 LONGHAUL_STREAM_POLL_S = envfloat("LONGHAUL_STREAM_POLL_S", 1.0, minimum=0.01)  # stream fallback without Redis

@@ -63,6 +63,7 @@ class WaitingQueue(Protocol):
     """A tenant with queued tasks and a free slot of its own. `head` may be read lazily (live admission
     reads it from the database only when the tenant is a candidate) and is the same until it is taken."""
 
+    tenant_id: int
     weight: int
     max_running: int
     running: int
@@ -130,6 +131,41 @@ def fill_slots(queues: list[Q], *, free: int, now: datetime, aging_seconds: floa
         free -= 1
         if queue.running >= queue.max_running:
             queues.remove(queue)
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A tenant holding running slots, as taking one back compares it."""
+
+    tenant_id: int
+    weight: int
+    running: int
+
+
+def owes_a_slot(giver: Holding, taker: WaitingQueue) -> bool:
+    """Whether moving one slot from `giver` to `taker` leaves the taker no richer per unit of weight
+    than the giver: (taker.running + 1) / taker.weight <= (giver.running - 1) / giver.weight,
+    cross-multiplied so that a giver of weight 0 (leftovers only) always owes, and a taker of
+    weight 0 is never owed."""
+    if taker.weight == 0 or giver.running < 1:
+        return False
+    return (taker.running + 1) * giver.weight <= (giver.running - 1) * taker.weight
+
+
+def slot_to_take_back(queues: list[Q], holders: Iterable[Holding], *, now: datetime,
+                      aging_seconds: float) -> tuple[Q, Holding] | None:
+    """With every slot taken: the waiting tenant furthest below its share (the one admission would
+    serve next) and the other tenant furthest above its, when the weights say the first is owed one of
+    the second's slots. A running slot is taken back at a step boundary (DESIGN §5, the issue "The hot
+    path"): without it, a newcomer waits for a running task to end."""
+    taker = next_queue(list(queues), now=now, aging_seconds=aging_seconds)
+    if taker is None:
+        return None
+    others = [h for h in holders if h.tenant_id != taker.tenant_id and h.running > 0]
+    if not others:
+        return None
+    giver = max(others, key=lambda h: (h.weight == 0, Fraction(h.running, h.weight or 1)))  # as share() ranks
+    return (taker, giver) if owes_a_slot(giver, taker) else None
 
 
 # --- backpressure -----------------------------------------------------------------

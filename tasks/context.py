@@ -28,13 +28,14 @@ def digest(value: Any) -> str:
 
 
 class StepContext:
-    def __init__(self, task: Task, *, token: int) -> None:
+    def __init__(self, task: Task, *, token: int, checked: bool = False) -> None:
+        """`checked`: `task` was read (or fenced) just now, which counts as the first safe point's read."""
         self.task = task
         self.token = token
         self.step = task.current_step  # 0-based index of the step being run
         self.events: list[NewEvent] = []
         self._next_operation = 0
-        self._checked_at = 0.0
+        self._checked_at = time.monotonic() if checked else 0.0
 
     @property
     def input(self) -> dict[str, Any]:

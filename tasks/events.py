@@ -46,7 +46,8 @@ def append(task: Task, events: list[NewEvent], *, status: str, at: datetime) -> 
     """Give the events the task's next seqs, store them, and return the last seq.
 
     The seq counter lives on the task row and is bumped by one UPDATE, so writers
-    in other transactions queue on the row lock and seqs stay gapless.
+    in other transactions queue on the row lock and seqs stay gapless. A status change
+    reserves the seqs in its own UPDATE instead and calls `store` (tasks/transitions.py).
     """
     if not events:
         return task.last_event_seq
@@ -57,6 +58,13 @@ def append(task: Task, events: list[NewEvent], *, status: str, at: datetime) -> 
             [len(events), task.pk],
         )
         (last,) = cursor.fetchone()
+    return store(task, events, last=last, status=status, at=at)
+
+
+def store(task: Task, events: list[NewEvent], *, last: int, status: str, at: datetime) -> int:
+    """Store events whose seqs, up to `last`, the caller reserved on the locked task row; one INSERT."""
+    if not events:
+        return task.last_event_seq
     first = last - len(events) + 1
     stored = TaskEvent.objects.bulk_create(
         TaskEvent(task_id=task.pk, tenant_id=task.tenant_id, seq=first + i, kind=e.kind, status=status, data=e.data, at=at)

@@ -93,6 +93,10 @@ class Task(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     pause_reason = models.CharField(max_length=500, blank=True)
+    yield_requested_at = models.DateTimeField(
+        null=True, blank=True,
+        help_text="Admission asked this running task to give its slot back at its next step boundary: another "
+                  "tenant is owed it (tasks/scheduling.py). Cleared when it leaves running.")
 
     question = models.TextField(blank=True, help_text="What the task asks its owner while waiting_input.")
     question_form = models.JSONField(null=True, blank=True,

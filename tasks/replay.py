@@ -14,7 +14,9 @@ What the records cannot tell, and what the replay does instead:
   (cancelled, queue deadline) leaves the replay's queue at that moment, or, if the replay admitted it
   first, gives its slot back then.
 - Only first admissions are replayed: a task resumed after a pause or an answer took a slot again in
-  reality, which the replay does not see.
+  reality, which the replay does not see. Nor does it take slots back at step boundaries
+  (LONGHAUL_TAKE_SLOTS_BACK): a task that gave its slot back shows as released then, and its second
+  admission is not replayed.
 - Tasks that arrived before the window and were still queued or holding a slot at its start are
   carried in as they were (queued since their arrival, or holding their slot until their recorded
   release); they compete but are not counted in the figures. Arrivals after the window are not

@@ -10,6 +10,7 @@ worker, the next step runs in place for a short time slice instead of a broker r
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import traceback
@@ -63,17 +64,21 @@ def run(task: Task, *, owner: str) -> None:
     """Run steps of a task this worker has just claimed, until it yields, waits or ends."""
     slice_ends = time.monotonic() + settings.LONGHAUL_STEP_SLICE_MS / 1000
     current: Task | None = task
+    carried: dict | None = None
     while current is not None:
         try:
-            current = run_step(current, owner=owner, slice_ends=slice_ends)
+            current, carried = run_step(current, owner=owner, slice_ends=slice_ends, carried=carried)
         except LeaseLost:
             # Another worker owns the task now; this one writes nothing more.
             log.warning("task %s: lease lost, stopping", task.pk)
             return
 
 
-def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
-    """One step. Returns the task when this worker keeps the lease for the next step."""
+def run_step(task: Task, *, owner: str, slice_ends: float,
+             carried: dict | None = None) -> tuple[Task | None, dict | None]:
+    """One step. Returns the task and the state it checkpointed when this worker keeps the lease for
+    the next step, which then runs in place: `carried` is that state, so the next step reads nothing
+    the commit before it just wrote or checked (its checkpoint, calls still out, a stop request)."""
     token = task.fencing_token
     now = clock.now()
     if task.cancel_requested_at:
@@ -81,55 +86,62 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
         if remote is not None:
             checkpoint = latest_checkpoint(task)
             if remote.remote_to_cancel(task.pk, checkpoint.state if checkpoint else None):
-                return _cancel_remotely(task, token, remote, checkpoint.state if checkpoint else {}, owner=owner)
-        return _stop_at_safe_point(task, token, CancelRequested())
+                return _cancel_remotely(task, token, remote, checkpoint.state if checkpoint else {}, owner=owner), None
+        return _stop_at_safe_point(task, token, CancelRequested()), None
     if task.pause_requested_at:
-        return _stop_at_safe_point(task, token, PauseRequested())
+        return _stop_at_safe_point(task, token, PauseRequested()), None
+    if task.yield_requested_at:
+        return _yield_slot(task, token), None
     if task.attempts > settings.LONGHAUL_MAX_ATTEMPTS:
         message = f"gave up after {task.attempts - 1} attempts that never finished the step"
         _end_failed(task, token, ErrorClass.POISON, message)
         with transaction.atomic():
             raise_alert(Alert.Kind.POISON, f"task {task.name!r}: {message}", now=clock.now(), task=task)
-        return None
+        return None, None
     try:
         driver = get_driver(task.kind)
     except InvalidInput as exc:
-        return _end_failed(task, token, ErrorClass.PERMANENT, str(exc))
+        return _end_failed(task, token, ErrorClass.PERMANENT, str(exc)), None
     # A remote task's steps are polls, as many as the remote job takes: its wall time bounds it, not a step count.
     steps_done = 0 if remote_cancelling(driver) is not None else task.current_step
     reason = Budget.of(task.budget).exhausted(steps_done=steps_done, started_at=task.started_at, now=now)
     if reason:
-        return _end_for_budget(task, token, driver, reason)
+        return _end_for_budget(task, token, driver, reason), None
 
-    if task.current_step > 0 and operations.unfinished(task.pk, task.current_step - 1) and _wait_again(task, token):
-        # Resumed (after a pause, say) while calls of the last step were still out: it waits for them.
-        return None
+    if carried is not None:
+        state = carried
+    else:
+        if task.current_step > 0 and operations.unfinished(task.pk, task.current_step - 1) and _wait_again(task, token):
+            # Resumed (after a pause, say) while calls of the last step were still out: it waits for them.
+            return None, None
+        checkpoint = latest_checkpoint(task)
+        if checkpoint is not None and checkpoint.schema_version > driver.schema_version:
+            # A newer worker wrote this checkpoint; leave the task for a worker that can read it.
+            log.warning("task %s: checkpoint schema %s is newer than %s", task.pk, checkpoint.schema_version,
+                        driver.schema_version)
+            return _defer(task, token, reason=f"needs a worker that reads checkpoint schema "
+                                              f"{checkpoint.schema_version}"), None
+        state = checkpoint.state if checkpoint else driver.initial_state(task.input)
 
-    checkpoint = latest_checkpoint(task)
-    if checkpoint is not None and checkpoint.schema_version > driver.schema_version:
-        # A newer worker wrote this checkpoint; leave the task for a worker that can read it.
-        log.warning("task %s: checkpoint schema %s is newer than %s", task.pk, checkpoint.schema_version,
-                    driver.schema_version)
-        return _defer(task, token, reason=f"needs a worker that reads checkpoint schema {checkpoint.schema_version}")
-    state = checkpoint.state if checkpoint else driver.initial_state(task.input)
-
-    ctx = StepContext(task, token=token)
+    # The claim or the commit that handed this worker the task read its stop requests and fencing token
+    # a moment ago: the step's first safe point need not read them again.
+    ctx = StepContext(task, token=token, checked=True)
     heartbeat.hold(task.pk, owner=owner, token=token)
     try:
-        ctx.check_safe_point(force=True)
+        ctx.check_safe_point()
         outcome = driver.step(state, ctx)
     except (CancelRequested, PauseRequested) as stop:
-        return _stop_at_safe_point(task, token, stop)
+        return _stop_at_safe_point(task, token, stop), None
     except BudgetExhausted as exc:
-        return _end_for_budget(task, token, driver, str(exc), state=exc.state)
+        return _end_for_budget(task, token, driver, str(exc), state=exc.state), None
     except StepError as exc:
-        return _after_error(task, token, exc)
+        return _after_error(task, token, exc), None
     except LeaseLost:
         raise
     except Exception as exc:  # a bug in a driver must not crash-loop the worker
         log.exception("task %s: step %s raised", task.pk, task.current_step)
         return _after_error(task, token, InternalError(f"internal error ({type(exc).__name__})",
-                                                       detail=traceback.format_exc()))
+                                                       detail=traceback.format_exc())), None
     finally:
         heartbeat.drop(task.pk)
 
@@ -139,13 +151,29 @@ def run_step(task: Task, *, owner: str, slice_ends: float) -> Task | None:
         and time.monotonic() < slice_ends
         and not kicks.other_work_waiting(now=clock.now())
     )
-    return _commit(task, token, driver, outcome, ctx, keep_lease=keep, state_before=state)
+    kept = _commit(task, token, driver, outcome, ctx, keep_lease=keep, state_before=state)
+    # What a step resumed from the database would read: JSON, so a step run in place sees the same types.
+    return kept, (json.loads(json.dumps(outcome.state)) if kept is not None else None)
 
 
 def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,
             keep_lease: bool, state_before: dict | None = None) -> Task | None:
     now = clock.now()
+    events = [*ctx.events, *outcome.events]
     with transaction.atomic():
+        if _plain(outcome):
+            # The common step, checkpoint and next step due, in one fenced UPDATE with no row read first:
+            # it loses (and writes nothing) when the lease moved on or a stop was asked for since the
+            # task was read, and the step is then committed below, under the row lock.
+            won = transitions.commit_step(task, token=token, now=now, keep_lease=keep_lease, events=events,
+                                          guard=transitions.NO_STOP_REQUESTED)
+            if won:
+                Checkpoint.objects.create(task_id=task.pk, step=task.current_step, fencing_token=token,
+                                          state=outcome.state, schema_version=driver.schema_version, at=now)
+                if not keep_lease:
+                    kicks.kick("advance", task.pk)
+                    return None
+                return task
         fresh = leases.lock_fenced(task.pk, token)
         if fresh.cancel_requested_at and remote_cancelling(driver) is not None:
             # What a step learned from a remote server after the cancel request is discarded (DESIGN §10).
@@ -156,7 +184,6 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                                       message=ALREADY_TRACKED))
             # No abandon: the remote task is another task's work, which must go on.
             return None
-        events = [*ctx.events, *outcome.events]
         # A poll that learned nothing new is no step: no checkpoint (the last one says the same) and no step
         # counted, only its next poll, which joins the calls of the step that asked for the first.
         quiet = (isinstance(outcome, Continue) and bool(outcome.requests) and outcome.state == state_before
@@ -181,16 +208,27 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
         if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
             _wait_for_requests(fresh, token, outcome, events, now=now, step_done=not quiet)
             return None
-        keep = keep_lease or stop_requested
+        # Asked to give its slot back: the step commits, then the task queues again (in the same transaction).
+        yielding = fresh.yield_requested_at is not None and isinstance(outcome, Continue)
+        keep = keep_lease or stop_requested or yielding
         must_win(transitions.commit_step(fresh, token=token, now=now, keep_lease=keep and not isinstance(outcome, Ask),
                                      events=events))
         if stop_requested:
             stop_as_requested(fresh, now=now, token=token)
             return None
+        if yielding:
+            must_win(transitions.yield_slot(fresh, token=token, now=now,
+                                            queue_deadline_at=Budget.of(fresh.budget).queue_deadline(now)))
+            return None
         if not keep:
             kicks.kick("advance", task.pk)
             return None
         return fresh
+
+
+def _plain(outcome: Outcome) -> bool:
+    """A step that only moves the task on: no calls to wait for, no remote facts, no end, no question."""
+    return isinstance(outcome, Continue) and not outcome.requests and outcome.remote is None
 
 
 def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[NewEvent], *, now: datetime,
@@ -308,6 +346,18 @@ def _wait_again(task: Task, token: int) -> bool:
                                                  step_done=False))
         kicks.kick("operations", task.pk, at=operations.first_due(task.pk, step, now))
     return True
+
+
+def _yield_slot(task: Task, token: int) -> None:
+    """Give the slot back before the step runs (admission asked, tasks/scheduling.py)."""
+    now = clock.now()
+    with transaction.atomic():
+        fresh = leases.lock_fenced(task.pk, token)
+        if fresh.cancel_requested_at or fresh.pause_requested_at:
+            stop_as_requested(fresh, now=now, token=token)  # a stop asked for since the claim goes first
+            return
+        must_win(transitions.yield_slot(fresh, token=token, now=now,
+                                        queue_deadline_at=Budget.of(fresh.budget).queue_deadline(now)))
 
 
 def _stop_at_safe_point(task: Task, token: int, stop: CancelRequested | PauseRequested) -> None:

@@ -38,6 +38,7 @@ import zlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Count, Exists, F, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
@@ -184,8 +185,7 @@ def admit(*, now: datetime) -> list[int]:
     _serialize_admission()
     system = system_policy()
     free = system.max_running - Task.objects.filter(status__in=_SLOT_STATUSES).count()
-    if free <= 0:
-        return []
+    queues = waiting_tenants()
     admitted: list[int] = []
 
     def take(queue: TenantQueue) -> bool:
@@ -199,8 +199,39 @@ def admit(*, now: datetime) -> list[int]:
         admitted.append(task.pk)
         return True
 
-    policy.fill_slots(waiting_tenants(), free=free, now=now, aging_seconds=system.aging_seconds, take=take)
+    policy.fill_slots(queues, free=free, now=now, aging_seconds=system.aging_seconds, take=take)
+    # Tenants still waiting means every slot is taken (fill_slots drops the queues it finds empty).
+    if queues and settings.LONGHAUL_TAKE_SLOTS_BACK:
+        take_a_slot_back(queues, now=now, aging_seconds=system.aging_seconds)
     return admitted
+
+
+def take_a_slot_back(queues: list[TenantQueue], *, now: datetime, aging_seconds: float) -> int | None:
+    """Every slot is taken and tenants wait: when the weights say one of them is owed a slot, ask a
+    running task of the tenant furthest above its share to give its slot back at its next step
+    boundary (transitions.yield_slot, which admits again in its own transaction). Returns that task's id.
+
+    One request at a time: until the asked task has yielded, admission asks no other, so a burst of
+    submissions takes back one slot per step boundary, not every slot at once; a request older than a
+    lease (a long step) no longer holds the others back. The task asked is the giver's most recently
+    started one that is not waiting on calls (the least work to set aside, and a boundary soon); rows
+    locked by someone else are skipped, not waited for, as in head_of_queue."""
+    recent = now - timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS)
+    if Task.objects.filter(status=TaskStatus.RUNNING, yield_requested_at__gt=recent).exists():
+        return None
+    holders = [policy.Holding(tenant_id=t, weight=w, running=n) for t, w, n in
+               Task.objects.filter(status__in=_SLOT_STATUSES).order_by().values_list("tenant", "tenant__weight")
+               .annotate(n=Count("*"))]
+    pair = policy.slot_to_take_back(queues, holders, now=now, aging_seconds=aging_seconds)
+    if pair is None:
+        return None
+    task = (Task.objects.select_for_update(skip_locked=True)
+            .filter(tenant_id=pair[1].tenant_id, status=TaskStatus.RUNNING, yield_requested_at__isnull=True)
+            .exclude(waiting_reason__in=("model", "tool"))
+            .order_by(F("started_at").desc(nulls_last=True), "-id").first())
+    if task is None or not transitions.ask_to_yield(task, now=now):
+        return None
+    return task.pk
 
 
 def _serialize_admission() -> None:

@@ -13,11 +13,12 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import Q
+from django.db.models import F, Q, QuerySet
+from django.db.models.sql.subqueries import UpdateQuery
 
 from tasks import admission_records
 from tasks.errors import InvalidTransition
-from tasks.events import NewEvent, append
+from tasks.events import NewEvent, append, store
 from tasks.models import Operation, Task
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
 
@@ -28,6 +29,10 @@ S = TaskStatus
 # waiting_reason of a task ending by a remote cancel: queued for its slot, then running the cancel rounds.
 CANCEL_WAIT = "cancel"
 NOT_HELD = Q(lease_owner="")
+# A step committed without reading the row first (tasks/runner.py) wins only while nobody asked it to stop
+# or to give its slot back.
+NO_STOP_REQUESTED = Q(cancel_requested_at__isnull=True, pause_requested_at__isnull=True,
+                      yield_requested_at__isnull=True)
 
 
 def _lease_free(now: datetime) -> Q:
@@ -56,12 +61,16 @@ def _move(
         rows = rows.filter(guard)
     values = dict(fields or {})
     values.update(status=to, version=task.version + 1, updated_at=now)
-    if rows.update(**values) != 1:
+    if to != S.RUNNING:
+        # A request to give back a slot it no longer holds as running (the row's, which `task` may not show).
+        values.setdefault("yield_requested_at", None)
+    last_seq = _update_reserving_seqs(rows, values, len(events))
+    if last_seq is None:
         return False
     was = task.status
     for name, value in values.items():
         setattr(task, name, value)
-    append(task, events, status=to, at=now)
+    store(task, events, last=last_seq, status=to, at=now)
     if to in TOLD:
         from tasks import notifications  # imported here: notifications builds on leases, which builds on us
 
@@ -75,6 +84,22 @@ def _move(
         admission_records.released(task, slot=frees_slot, ended=to in TERMINAL, now=now)
     _admit_after(was, to, now=now)
     return True
+
+
+def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: int) -> int | None:
+    """The transition's UPDATE, which also reserves `count` event seqs on the row it changes:
+    one statement where an UPDATE and then a seq bump were two. Returns the last seq reserved
+    (the row's seq if `count` is 0), or None when the guard matched no row.
+
+    Django's update() cannot return a column, so the same UPDATE is compiled by Django and
+    given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it)."""
+    query = rows.query.chain(UpdateQuery)
+    query.add_update_values({**values, "last_event_seq": F("last_event_seq") + count})
+    sql, params = query.get_compiler(rows.db).as_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(f"{sql} RETURNING {connection.ops.quote_name('last_event_seq')}", params)
+        row = cursor.fetchone()
+    return None if row is None else row[0]
 
 
 def _close_pending_operations(task: Task, *, now: datetime) -> None:
@@ -169,10 +194,12 @@ def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> boo
 def commit_step(
     task: Task, *, token: int, now: datetime, keep_lease: bool, events: list[NewEvent], result: Any = None,
     due_at: datetime | None = None, tracking_degraded: bool | None = None, step_done: bool = True,
+    guard: Q | None = None,
 ) -> bool:
     """running -> running: a step's checkpoint is committed; the next step is due now (or at `due_at`,
     a remote job's next poll). `step_done=False`: a poll that changed nothing, so no checkpoint was
-    written and no step is counted. `tracking_degraded` sets or clears the remote-tracking flag."""
+    written and no step is counted. `tracking_degraded` sets or clears the remote-tracking flag.
+    `guard`: a further condition on the row (NO_STOP_REQUESTED)."""
     fields: dict[str, Any] = {
         "current_step": task.current_step + (1 if step_done else 0),
         "attempts": 0,
@@ -185,22 +212,36 @@ def commit_step(
     if result is not None:
         fields.update(result=result, result_version=task.result_version + 1)
     return _stay_running(task, token=token, now=now, fields=fields, events=events,
-                         tracking_degraded=tracking_degraded)
+                         tracking_degraded=tracking_degraded, guard=guard)
 
 
 def _stay_running(task: Task, *, token: int, now: datetime, fields: dict[str, Any], events: list[NewEvent],
-                  tracking_degraded: bool | None) -> bool:
+                  tracking_degraded: bool | None, guard: Q | None = None) -> bool:
     """running -> running with `fields`, setting or clearing the remote-tracking flag; a newly degraded
     tracking is news for the task's thread."""
     newly_degraded = bool(tracking_degraded) and not task.tracking_degraded
     if tracking_degraded is not None:
         fields["tracking_degraded"] = tracking_degraded
-    won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+    won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
+                guard=guard)
     if won and newly_degraded:
         from tasks import notifications
 
         notifications.note(task, event="tracking_degraded", now=now)
     return won
+
+
+def yield_slot(task: Task, *, token: int, now: datetime, queue_deadline_at: datetime) -> bool:
+    """running -> queued at a step boundary: admission asked the task to give its slot back to a tenant
+    the weights say is owed it (tasks/scheduling.py). It waits for admission again, first in its
+    tenant's queue (the oldest), and resumes from its last checkpoint; the freed slot is filled in
+    this transaction. Its queue deadline counts from now."""
+    return _move(
+        task, S.QUEUED, allowed_from={S.RUNNING}, now=now, token=token,
+        fields={**_released(), "yield_requested_at": None, "next_run_at": None, "attempts": 0,
+                "waiting_reason": "", "queue_deadline_at": queue_deadline_at},
+        events=[NewEvent("queued", {"reason": "yielded", "step": task.current_step})],
+    )
 
 
 def wait_for_operations(
@@ -513,3 +554,15 @@ def mark_pause_requested(task: Task, *, now: datetime, by_id: int | None, reason
         setattr(task, name, value)
     append(task, [NewEvent("pause_requested", {"reason": reason[:500]})], status=task.status, at=now)
     return True
+
+
+def ask_to_yield(task: Task, *, now: datetime) -> bool:
+    """Ask a running task to give its slot back at its next step boundary (scheduling.take_a_slot_back).
+
+    No version bump and no event: the holder's fenced writes stay valid, its next step start or
+    commit sees the request (NO_STOP_REQUESTED), and the `queued` event it then appends tells."""
+    won = Task.objects.filter(pk=task.pk, status=S.RUNNING, yield_requested_at__isnull=True).update(
+        yield_requested_at=now) == 1
+    if won:
+        task.yield_requested_at = now
+    return won

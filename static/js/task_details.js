@@ -33,8 +33,14 @@ function errorWords(errorClass) {
   return ERROR_WORDS[key] || key.replace(/_/g, " ");
 }
 
+// Why a task that had started waits for a slot again (transitions.requeue_failed, transitions.yield_slot).
+const QUEUED_AGAIN = {
+  requeued: () => gettext("Queued again"),
+  yielded: () => gettext("Gave its slot to waiting work; it goes on at its next turn"),
+};
+
 const EVENT_WORDS = {
-  queued: (d) => (d.reason === "requeued" ? gettext("Queued again") : gettext("Queued")),
+  queued: (d) => (QUEUED_AGAIN[d.reason] || (() => gettext("Queued")))(),
   admitted: () => gettext("Started"),
   planning: () => gettext("Planning sub-questions"),
   plan_ready: (d) => interpolate(

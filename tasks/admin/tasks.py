@@ -74,7 +74,7 @@ TASK_FIELD_GROUPS: dict[str, tuple[str, ...]] = {
                   "lease_owner", "lease_expires_at", "fencing_token", "heartbeat_at", "last_progress_at",
                   "stalled_at", "version"),
     "Requests": ("cancel_requested_at", "cancel_requested_by", "cancel_reason", "cancel_keep_results",
-                 "pause_requested_at", "pause_requested_by", "pause_reason"),
+                 "pause_requested_at", "pause_requested_by", "pause_reason", "yield_requested_at"),
     "Input, budget and result": ("input", "budget", "result", "result_version"),
     "Code and model": ("code_version", "schema_version", "model_name", "prompt_version", "tool_protocol"),
     "Notification": ("notification_status", "event_version", "notified_version", "notification_attempt_count",

@@ -1,0 +1,87 @@
+"""The hot path's statements: a step that continues in place commits in one fenced UPDATE (checkpoint,
+events, next step due) with no read of the row first, and falls back to the locked commit when the
+row moved on under it."""
+
+from __future__ import annotations
+
+import pytest
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django_q.models import OrmQ
+
+from tasks import actions, clock, jobs, leases, runner
+from tasks.context import StepContext
+from tasks.drivers import Continue, get_driver
+from tasks.errors import LeaseLost
+from tasks.models import Checkpoint, Task
+from tasks.statuses import TaskStatus
+from tests.factories import submit_sleep
+
+pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, not savepoints
+IN_PLACE_STATEMENTS = 6  # the waiting probe, BEGIN, the fenced UPDATE, the events, the checkpoint, COMMIT
+
+
+def steps_of(queries: list[dict]) -> list[list[str]]:
+    """The statements of each committed transaction, with what ran before it since the last commit."""
+    steps, current = [], []
+    for query in queries:
+        current.append(query["sql"])
+        if query["sql"] == "COMMIT":
+            steps.append(current)
+            current = []
+    return steps
+
+
+def test_a_step_that_continues_in_place_sends_at_most_six_statements(acme, alice, settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    task = submit_sleep(acme, alice, steps=5)
+    OrmQ.objects.all().delete()  # nothing waiting: the worker keeps the lease between steps
+    with CaptureQueriesContext(connection) as queries:
+        jobs.advance(task.pk)
+    task.refresh_from_db()
+    assert task.status == TaskStatus.SUCCEEDED
+
+    transactions = steps_of(queries.captured_queries)
+    _claim, _first, *in_place, _last = transactions
+    assert len(in_place) == 3, transactions
+    for statements in in_place:
+        assert len(statements) <= IN_PLACE_STATEMENTS, statements
+        reads = [sql for sql in statements if sql.startswith("SELECT") and "tasks_" in sql]
+        assert not reads, f"a step run in place read again what its last commit wrote: {reads}"
+        updates = [sql for sql in statements if sql.startswith("UPDATE")]
+        assert len(updates) == 1, f"the fence, the step and the event seqs are one UPDATE: {updates}"
+    assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1, 2, 3, 4, 5]
+    assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
+
+
+def test_a_stop_asked_for_during_the_step_is_honoured_by_the_locked_commit(acme, alice, settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    task = submit_sleep(acme, alice, steps=3)
+    held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert held is not None
+    actions.request_cancel(task=Task.objects.get(pk=task.pk), user=alice, reason="enough")
+
+    ctx = StepContext(held, token=held.fencing_token)
+    kept = runner._commit(held, held.fencing_token, get_driver("sleep"), Continue({"done": 1, "of": 3}), ctx,
+                          keep_lease=True)
+
+    assert kept is None, "the worker must not run another step of a task asked to stop"
+    task.refresh_from_db()
+    assert task.status == TaskStatus.CANCELLED
+    assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1]
+    assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
+
+
+def test_a_fenced_out_worker_writes_nothing_without_reading_the_row_first(acme, alice):
+    task = submit_sleep(acme, alice, steps=3)
+    stale = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert stale is not None
+    Task.objects.filter(pk=task.pk).update(fencing_token=stale.fencing_token + 1, lease_owner="worker:2")
+    before = Task.objects.get(pk=task.pk).last_event_seq
+
+    ctx = StepContext(stale, token=stale.fencing_token)
+    with pytest.raises(LeaseLost):
+        runner._commit(stale, stale.fencing_token, get_driver("sleep"), Continue({"done": 1, "of": 3}), ctx,
+                       keep_lease=True)
+    assert not Checkpoint.objects.filter(task=task).exists()
+    assert Task.objects.get(pk=task.pk).last_event_seq == before
