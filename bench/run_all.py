@@ -25,7 +25,8 @@ from collections.abc import Callable
 
 import _harness as h
 
-BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "stream_latency", "fairness")
+BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "active_tasks", "stream_latency",
+              "fairness")
 STREAM_TIMEOUT = 600
 
 
@@ -59,6 +60,12 @@ def _inflight() -> h.Report:
     return inflight.run()
 
 
+def _active_tasks() -> h.Report:
+    import active_tasks
+
+    return active_tasks.run()
+
+
 def _stream_latency() -> h.Report:
     """The stream benchmark is another script's: run it as it runs alone and keep what it printed."""
     script = h.ROOT / "bench" / "stream_latency.py"
@@ -90,7 +97,7 @@ def _fairness() -> h.Report:
 
 RUNNERS: dict[str, Callable[[], h.Report]] = {
     "throughput": _throughput, "claim_scale": _claim_scale, "api": _api, "notify_latency": _notify_latency,
-    "inflight": _inflight, "stream_latency": _stream_latency, "fairness": _fairness,
+    "inflight": _inflight, "active_tasks": _active_tasks, "stream_latency": _stream_latency, "fairness": _fairness,
 }
 
 

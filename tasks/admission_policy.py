@@ -153,19 +153,17 @@ def owes_a_slot(giver: Holding, taker: WaitingQueue) -> bool:
 
 
 def slot_to_take_back(queues: list[Q], holders: Iterable[Holding], *, now: datetime,
-                      aging_seconds: float) -> tuple[Q, Holding] | None:
+                      aging_seconds: float) -> tuple[Q, list[Holding]] | None:
     """With every slot taken: the waiting tenant furthest below its share (the one admission would
-    serve next) and the other tenant furthest above its, when the weights say the first is owed one of
-    the second's slots. A running slot is taken back at a step boundary (DESIGN §5, the issue "The hot
-    path"): without it, a newcomer waits for a running task to end."""
+    serve next) and the other tenants that owe it one of their slots by the weights, furthest above
+    their share first. A running slot is taken back at a step boundary (the issue "The hot path"):
+    without it, a newcomer waits for a running task to end."""
     taker = next_queue(list(queues), now=now, aging_seconds=aging_seconds)
     if taker is None:
         return None
-    others = [h for h in holders if h.tenant_id != taker.tenant_id and h.running > 0]
-    if not others:
-        return None
-    giver = max(others, key=lambda h: (h.weight == 0, Fraction(h.running, h.weight or 1)))  # as share() ranks
-    return (taker, giver) if owes_a_slot(giver, taker) else None
+    givers = sorted((h for h in holders if h.tenant_id != taker.tenant_id and owes_a_slot(h, taker)),
+                    key=lambda h: (h.weight == 0, Fraction(h.running, h.weight or 1)), reverse=True)  # as share()
+    return (taker, givers) if givers else None
 
 
 # --- backpressure -----------------------------------------------------------------

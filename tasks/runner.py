@@ -90,14 +90,14 @@ def run_step(task: Task, *, owner: str, slice_ends: float,
         return _stop_at_safe_point(task, token, CancelRequested()), None
     if task.pause_requested_at:
         return _stop_at_safe_point(task, token, PauseRequested()), None
-    if task.yield_requested_at:
-        return _yield_slot(task, token), None
     if task.attempts > settings.LONGHAUL_MAX_ATTEMPTS:
         message = f"gave up after {task.attempts - 1} attempts that never finished the step"
         _end_failed(task, token, ErrorClass.POISON, message)
         with transaction.atomic():
             raise_alert(Alert.Kind.POISON, f"task {task.name!r}: {message}", now=clock.now(), task=task)
         return None, None
+    if task.yield_requested_at:  # after the poison check: giving the slot back must not hide a crash loop
+        return _yield_slot(task, token), None
     try:
         driver = get_driver(task.kind)
     except InvalidInput as exc:
@@ -217,8 +217,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             stop_as_requested(fresh, now=now, token=token)
             return None
         if yielding:
-            must_win(transitions.yield_slot(fresh, token=token, now=now,
-                                            queue_deadline_at=Budget.of(fresh.budget).queue_deadline(now)))
+            must_win(transitions.yield_slot(fresh, token=token, now=now))
             return None
         if not keep:
             kicks.kick("advance", task.pk)
@@ -356,8 +355,7 @@ def _yield_slot(task: Task, token: int) -> None:
         if fresh.cancel_requested_at or fresh.pause_requested_at:
             stop_as_requested(fresh, now=now, token=token)  # a stop asked for since the claim goes first
             return
-        must_win(transitions.yield_slot(fresh, token=token, now=now,
-                                        queue_deadline_at=Budget.of(fresh.budget).queue_deadline(now)))
+        must_win(transitions.yield_slot(fresh, token=token, now=now))
 
 
 def _stop_at_safe_point(task: Task, token: int, stop: CancelRequested | PauseRequested) -> None:

@@ -40,7 +40,7 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Count, Exists, F, OuterRef, QuerySet, Subquery
+from django.db.models import Case, Count, Exists, F, OuterRef, QuerySet, Subquery, When
 from django.db.models.functions import Coalesce
 
 from tasks import admission_policy as policy
@@ -211,27 +211,38 @@ def take_a_slot_back(queues: list[TenantQueue], *, now: datetime, aging_seconds:
     running task of the tenant furthest above its share to give its slot back at its next step
     boundary (transitions.yield_slot, which admits again in its own transaction). Returns that task's id.
 
-    One request at a time: until the asked task has yielded, admission asks no other, so a burst of
-    submissions takes back one slot per step boundary, not every slot at once; a request older than a
-    lease (a long step) no longer holds the others back. The task asked is the giver's most recently
-    started one that is not waiting on calls (the least work to set aside, and a boundary soon); rows
-    locked by someone else are skipped, not waited for, as in head_of_queue."""
+    The task is the giver's most recently started one that runs steps here (the least work to set
+    aside): not one waiting on calls, asked to stop, or tracking a remote job, whose polls must go on.
+    One between steps that nobody holds is at its boundary now: it yields in this transaction, and the
+    slot is filled at once (the yield admits). Otherwise one held by a worker is asked, and yields
+    when its step ends. One request at a time: until the asked task has yielded, admission asks no
+    other, so a burst of submissions takes back one slot per step boundary, not every slot at once; a
+    request older than a lease (a long step, a long wait for calls) no longer holds the others back.
+    Rows locked by someone else are skipped, not waited for, as in head_of_queue."""
     recent = now - timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS)
-    if Task.objects.filter(status=TaskStatus.RUNNING, yield_requested_at__gt=recent).exists():
+    if Task.objects.filter(status__in=_SLOT_STATUSES, yield_requested_at__gt=recent).exists():
         return None
     holders = [policy.Holding(tenant_id=t, weight=w, running=n) for t, w, n in
                Task.objects.filter(status__in=_SLOT_STATUSES).order_by().values_list("tenant", "tenant__weight")
                .annotate(n=Count("*"))]
-    pair = policy.slot_to_take_back(queues, holders, now=now, aging_seconds=aging_seconds)
-    if pair is None:
+    found = policy.slot_to_take_back(queues, holders, now=now, aging_seconds=aging_seconds)
+    if found is None:
         return None
-    task = (Task.objects.select_for_update(skip_locked=True)
-            .filter(tenant_id=pair[1].tenant_id, status=TaskStatus.RUNNING, yield_requested_at__isnull=True)
-            .exclude(waiting_reason__in=("model", "tool"))
-            .order_by(F("started_at").desc(nulls_last=True), "-id").first())
-    if task is None or not transitions.ask_to_yield(task, now=now):
-        return None
-    return task.pk
+    for giver in found[1]:
+        task = (Task.objects.select_for_update(skip_locked=True)
+                .filter(tenant_id=giver.tenant_id, status=TaskStatus.RUNNING, yield_requested_at__isnull=True,
+                        cancel_requested_at__isnull=True, pause_requested_at__isnull=True,
+                        remote_handle__isnull=True, remote_server="")
+                .exclude(waiting_reason__in=("model", "tool"))
+                .order_by(Case(When(lease_owner="", then=0), default=1), F("started_at").desc(nulls_last=True),
+                          "-id").first())
+        if task is None:
+            continue
+        if not task.lease_owner and transitions.yield_slot(task, token=None, now=now):
+            return task.pk
+        if transitions.ask_to_yield(task, now=now):
+            return task.pk
+    return None
 
 
 def _serialize_admission() -> None:

@@ -61,8 +61,9 @@ def _move(
         rows = rows.filter(guard)
     values = dict(fields or {})
     values.update(status=to, version=task.version + 1, updated_at=now)
-    if to != S.RUNNING:
-        # A request to give back a slot it no longer holds as running (the row's, which `task` may not show).
+    if task.status in HOLDS_SLOT and to not in HOLDS_SLOT:
+        # A request to give back a slot it no longer holds (the row's, which `task` may not show). A task
+        # that waits for calls or a retry keeps it, and gives the slot back when it next runs.
         values.setdefault("yield_requested_at", None)
     last_seq = _update_reserving_seqs(rows, values, len(events))
     if last_seq is None:
@@ -155,7 +156,9 @@ def admit(task: Task, *, now: datetime) -> bool:
         S.RUNNING,
         allowed_from={S.QUEUED},
         now=now,
-        fields={"next_run_at": now, "started_at": task.started_at or now, "attempts": 0},
+        # attempts: kept, so a task that gave its slot back still counts the claims that never finished
+        # its step (the poison check); every other way into the queue starts them at 0.
+        fields={"next_run_at": now, "started_at": task.started_at or now},
         events=[NewEvent("admitted")],
     )
 
@@ -231,15 +234,20 @@ def _stay_running(task: Task, *, token: int, now: datetime, fields: dict[str, An
     return won
 
 
-def yield_slot(task: Task, *, token: int, now: datetime, queue_deadline_at: datetime) -> bool:
-    """running -> queued at a step boundary: admission asked the task to give its slot back to a tenant
-    the weights say is owed it (tasks/scheduling.py). It waits for admission again, first in its
-    tenant's queue (the oldest), and resumes from its last checkpoint; the freed slot is filled in
-    this transaction. Its queue deadline counts from now."""
+def yield_slot(task: Task, *, token: int | None, now: datetime) -> bool:
+    """running -> queued at a step boundary: the task gives its slot back to a tenant the weights say
+    is owed it (tasks/scheduling.py). It waits for admission again, first in its tenant's queue (the
+    oldest), and resumes from its last checkpoint; the freed slot is filled in this transaction. No
+    queue deadline: it was admitted once and is owed its slot back, not a queue timeout (its
+    wall-time budget still runs). Its attempts are kept (the poison check).
+
+    `token`: the worker holding it, at its step boundary; None: admission, for a task between steps
+    that nobody holds."""
     return _move(
         task, S.QUEUED, allowed_from={S.RUNNING}, now=now, token=token,
-        fields={**_released(), "yield_requested_at": None, "next_run_at": None, "attempts": 0,
-                "waiting_reason": "", "queue_deadline_at": queue_deadline_at},
+        guard=NOT_HELD if token is None else None,
+        fields={**_released(), "yield_requested_at": None, "next_run_at": None,
+                "waiting_reason": "", "queue_deadline_at": None},
         events=[NewEvent("queued", {"reason": "yielded", "step": task.current_step})],
     )
 
@@ -458,7 +466,7 @@ def queue_for_cancel(task: Task, *, now: datetime) -> bool:
         allowed_from=ACTIVE - HOLDS_SLOT,
         now=now,
         guard=_lease_free(now),
-        fields={**_released(), "next_run_at": None, "waiting_reason": CANCEL_WAIT,
+        fields={**_released(), "next_run_at": None, "waiting_reason": CANCEL_WAIT, "attempts": 0,
                 "fencing_token": task.fencing_token + 1},
         events=[NewEvent("cancelling_remote", {})],
     )

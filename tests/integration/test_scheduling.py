@@ -75,6 +75,7 @@ def test_it_admits_the_highest_priority_then_the_oldest(acme, alice):
 def test_a_slot_freed_by_one_tenant_goes_to_the_tenant_furthest_below_its_share(acme, alice, globex, charlie,
                                                                                  settings):
     settings.LONGHAUL_MAX_RUNNING = 2
+    settings.LONGHAUL_TAKE_SLOTS_BACK = False  # a slot freed by a task ending (test_scheduling_take_back: the rest)
     first = submit_sleep(acme, alice, steps=1)
     submit_sleep(acme, alice, steps=1)
     submit_sleep(acme, alice, steps=1)  # queued: the system is full
@@ -89,6 +90,7 @@ def test_a_slot_freed_by_one_tenant_goes_to_the_tenant_furthest_below_its_share(
 def test_a_tenant_with_two_hundred_queued_tasks_does_not_starve_one_with_five(acme, alice, globex, charlie,
                                                                               settings):
     settings.LONGHAUL_MAX_RUNNING = 4
+    settings.LONGHAUL_TAKE_SLOTS_BACK = False  # slots freed by tasks ending (test_scheduling_take_back: the rest)
     acme.max_queued = 1000
     acme.save()
     for _ in range(200):

@@ -39,8 +39,9 @@ def test_a_slot_is_owed_when_the_move_leaves_the_taker_no_richer_than_the_giver(
                        Waiting(tenant_id=2, weight=taker[0], running=taker[1])) is owed
 
 
-def test_the_richest_other_tenant_gives_and_a_tenant_never_gives_to_itself():
-    holders = [Holding(1, 1, 2), Holding(2, 1, 5), Holding(3, 0, 1)]
-    taker, giver = slot_to_take_back([Waiting(4, 1, 0)], holders, now=NOW, aging_seconds=60)
-    assert (taker.tenant_id, giver.tenant_id) == (4, 3), "weight 0 is richer than any weighted holder"
+def test_the_richest_other_tenants_give_first_and_a_tenant_never_gives_to_itself():
+    holders = [Holding(1, 1, 2), Holding(2, 1, 5), Holding(3, 0, 1), Holding(5, 1, 1)]
+    taker, givers = slot_to_take_back([Waiting(4, 1, 0)], holders, now=NOW, aging_seconds=60)
+    assert taker.tenant_id == 4
+    assert [g.tenant_id for g in givers] == [3, 2, 1], "weight 0 first; a tenant with 1 slot owes none"
     assert slot_to_take_back([Waiting(2, 1, 5)], [Holding(2, 1, 5)], now=NOW, aging_seconds=60) is None
