@@ -248,6 +248,7 @@ def _wait(handles: list[WorkflowHandle[int]], expected: int, deadline: float, in
             if time.monotonic() > deadline:
                 raise TimeoutError(f"workflow {handle.get_workflow_id()} still {status.status} at the timeout")
             time.sleep(interval)
+    return ended
 
 
 def _enqueue(client: DBOSClient, engine: Any, count: int, steps: int) -> list[WorkflowHandle[int]]:
