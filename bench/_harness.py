@@ -424,6 +424,31 @@ def broker_backlog() -> int:
 # --- processes ---------------------------------------------------------------------
 
 
+def socket_owners(server_port: int, client_ports: set[int], pids: list[int]) -> dict[int, int]:
+    """client port -> pid, for loopback connections to `server_port` owned by one of `pids`."""
+    inode_port: dict[str, int] = {}
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        parts = line.split()
+        local, remote, inode = parts[1], parts[2], parts[9]
+        lport, rport = int(local.split(":")[1], 16), int(remote.split(":")[1], 16)
+        if rport == server_port and lport in client_ports:
+            inode_port[f"socket:[{inode}]"] = lport
+    owners: dict[int, int] = {}
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target in inode_port:
+                owners[inode_port[target]] = pid
+    return owners
+
+
 def log_dir(name: str) -> Path:
     path = LOG_ROOT / name
     path.mkdir(parents=True, exist_ok=True)

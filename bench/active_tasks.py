@@ -160,30 +160,6 @@ def pss_kb(pid: int) -> int:
     return 0
 
 
-def socket_owners(server_port: int, client_ports: set[int], pids: list[int]) -> dict[int, int]:
-    """client port -> pid, for loopback connections to `server_port` owned by one of `pids`."""
-    inode_port: dict[str, int] = {}
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        parts = line.split()
-        lport, rport = int(parts[1].split(":")[1], 16), int(parts[2].split(":")[1], 16)
-        if rport == server_port and lport in client_ports:
-            inode_port[f"socket:[{parts[9]}]"] = lport
-    owners: dict[int, int] = {}
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target in inode_port:
-                owners[inode_port[target]] = pid
-    return owners
-
-
 def chat_cluster_pid() -> int | None:
     """The chat worker (`manage.py worker --queue chat`) h.qcluster started beside the task cluster."""
     me = os.getpid()
@@ -290,7 +266,7 @@ class Sampler(threading.Thread):
         rows = db.execute("SELECT client_port, backend_type FROM pg_stat_activity "
                           "WHERE datname = current_database()").fetchall()
         ports = {port for port, _ in rows if port is not None}
-        owners = socket_owners(int(self.params["port"]), ports, [*tree, *chat, os.getpid()])
+        owners = h.socket_owners(int(self.params["port"]), ports, [*tree, *chat, os.getpid()])
         counts: Counter[str] = Counter(total=len(rows))
         mine: Counter[int] = Counter()
         for port, backend_type in rows:

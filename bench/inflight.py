@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import threading
 import time
 from collections import Counter
-from datetime import datetime, timezone
 from collections.abc import Callable, Iterable
-from pathlib import Path
+from datetime import datetime, timezone
 
 import _harness as h
 import httpx
@@ -121,41 +119,16 @@ class Sampler(threading.Thread):
             if not ports:
                 self.samples.append((time.time(), 0, {}))
                 continue
-            owners = socket_owners(self.fake.port, set(ports), self.pids)
+            owners = h.socket_owners(self.fake.port, set(ports), self.pids)
             if len(owners) < len(set(ports)):  # a worker we have not seen yet
                 self.pids = self.find_pids()
-                owners = socket_owners(self.fake.port, set(ports), self.pids)
+                owners = h.socket_owners(self.fake.port, set(ports), self.pids)
             per_pid = Counter(owners.get(port) for port in ports)
             per_pid.pop(None, None)
             for pid, n in per_pid.items():
                 self.max_per_pid[pid] = max(self.max_per_pid[pid], n)
             self.max_total = max(self.max_total, len(ports))
             self.samples.append((time.time(), len(ports), dict(per_pid)))
-
-
-def socket_owners(server_port: int, client_ports: set[int], pids: list[int]) -> dict[int, int]:
-    """client port -> pid, for loopback connections to `server_port` owned by one of `pids`."""
-    inode_port: dict[str, int] = {}
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        parts = line.split()
-        local, remote, inode = parts[1], parts[2], parts[9]
-        lport, rport = int(local.split(":")[1], 16), int(remote.split(":")[1], 16)
-        if rport == server_port and lport in client_ports:
-            inode_port[f"socket:[{inode}]"] = lport
-    owners: dict[int, int] = {}
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target in inode_port:
-                owners[inode_port[target]] = pid
-    return owners
 
 
 # --- the baseline --------------------------------------------------------------------------
