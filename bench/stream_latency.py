@@ -360,7 +360,11 @@ def main() -> None:
     session_key = None
     try:
         session_key, cookie = session_for(user)
-        with daphne(ROOT / "var" / "bench-logs" / "stream_latency", REDIS_URL=settings.REDIS_URL) as base:
+        # One user holds every subscriber: the per-user and per-tenant socket caps (LONGHAUL_WS_MAX_PER_*,
+        # 20 and 200 by default) would refuse most of them, and this measures latency, not the caps.
+        room = str(args.subscribers + 10)
+        with daphne(ROOT / "var" / "bench-logs" / "stream_latency", REDIS_URL=settings.REDIS_URL,
+                    LONGHAUL_WS_MAX_PER_USER=room, LONGHAUL_WS_MAX_PER_TENANT=room) as base:
             result = run_subscribers(base, cookie, tasks, args.subscribers,
                                      lambda: write_events(tasks, rate=args.rate, seconds=args.seconds))
         stream, faults = stream_latencies(tasks, result)
