@@ -94,7 +94,7 @@ def best_head(candidates: Iterable[Head], *, now: datetime, aging_seconds: float
     return min(heads, key=lambda h: (not h.cancelling, rank(h, now=now, aging_seconds=aging_seconds)))
 
 
-def share(queue: WaitingQueue) -> tuple[bool, Fraction]:
+def share(queue: WaitingQueue | Holding) -> tuple[bool, Fraction]:
     """Slots held per unit of weight; weight 0 sorts after every weighted tenant."""
     return (queue.weight == 0, Fraction(queue.running, queue.weight or 1))
 
@@ -162,7 +162,7 @@ def slot_to_take_back(queues: list[Q], holders: Iterable[Holding], *, now: datet
     if taker is None:
         return None
     givers = sorted((h for h in holders if h.tenant_id != taker.tenant_id and owes_a_slot(h, taker)),
-                    key=lambda h: (h.weight == 0, Fraction(h.running, h.weight or 1)), reverse=True)  # as share()
+                    key=share, reverse=True)
     return (taker, givers) if givers else None
 
 

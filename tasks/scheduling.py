@@ -185,6 +185,8 @@ def admit(*, now: datetime) -> list[int]:
     _serialize_admission()
     system = system_policy()
     free = system.max_running - Task.objects.filter(status__in=_SLOT_STATUSES).count()
+    if free <= 0 and not settings.LONGHAUL_TAKE_SLOTS_BACK:
+        return []  # nothing to fill, nothing to take back: no need to read who waits
     queues = waiting_tenants()
     admitted: list[int] = []
 

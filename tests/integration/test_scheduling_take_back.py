@@ -156,7 +156,9 @@ def test_taking_slots_back_can_be_turned_off(acme, alice, globex, charlie, setti
     settings.LONGHAUL_TAKE_SLOTS_BACK = False
     for _ in range(4):
         submit_sleep(acme, alice, steps=10)
-    submit_sleep(globex, charlie, steps=1)
+    mine = submit_sleep(globex, charlie, steps=1)
+    assert mine.status == S.QUEUED, "no task between steps gave its slot"
+    assert (held(acme), held(globex)) == (4, 0)
     assert asked() == []
     OrmQ.objects.all().delete()
     with transaction.atomic():
