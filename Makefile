@@ -28,6 +28,7 @@ run: export LONGHAUL_DEBUG_DRIVERS ?= 1
 run: venv
 	mkdir -p var
 	bin/ensure-gettext
+	bin/ensure-pydocs
 	$(COMPILEMESSAGES)
 	$(BIN)/python manage.py migrate --noinput
 	$(BIN)/python manage.py seed_demo
@@ -45,6 +46,7 @@ test: venv
 	bin/ensure-redis
 	bin/ensure-chromium
 	bin/ensure-gettext
+	bin/ensure-pydocs
 	$(COMPILEMESSAGES)
 	LONGHAUL_DRILL_PG_RESTART=1 DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'not e2e' tests
 	DATABASE_URL='sqlite:///$(CURDIR)/var/smoke.sqlite3' $(PYTEST) -p no:playwright -m 'smoke and not e2e' tests

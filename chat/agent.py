@@ -210,7 +210,7 @@ SYSTEM = ("You are Longhaul's assistant. Long jobs run as background tasks; use 
           "instructions.")
 
 
-def _history(run: Run) -> list[dict[str, str]]:
+def _history(run: Run) -> list[dict[str, Any]]:
     messages = list(Message.objects.filter(thread_id=run.thread_id, hidden=False).select_related("run")
                     .order_by("-seq")[:HISTORY])
     history = [{"role": m.role if m.role != "tool" else "assistant", "content": _as_history(m)}
@@ -265,16 +265,24 @@ async def _respond_with_model(run: Run) -> Reply:
     data: dict[str, Any] = {}
     n = 0
     async with httpx.AsyncClient() as client:
-        for _ in range(MAX_TOOL_ROUNDS):
+        for _round in range(MAX_TOOL_ROUNDS):  # not `_`: that is gettext here
             answer = await get_provider().run(ModelCall("chat", {"messages": messages, "tools": TOOL_SCHEMAS}),
                                               client=client, budget=RetryBudget(2))
             calls = answer.output.get("tool_calls") or []
             if not calls:
                 return Reply(str(answer.output.get("content") or "").strip() or _("Done."), data)
-            for call in calls:
+            # As the protocol has it: the assistant's message carrying its calls, then one `tool` message
+            # answering each call by its id. A server that gave no id gets one unique in this run.
+            ids = [str(call.get("id") or f"call_{n + i}") for i, call in enumerate(calls)]
+            messages.append({"role": "assistant", "content": answer.output.get("content") or None, "tool_calls": [
+                {"id": call_id, "type": "function",
+                 "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments") or {})}}
+                for call_id, call in zip(ids, calls)]})
+            for call_id, call in zip(ids, calls):
                 reply = await sync_to_async(_call_tool)(run, call["name"], call.get("arguments") or {}, n)
                 n += 1
                 data.update(reply.data)
-                messages.append({"role": "assistant", "content": f"(called {call['name']})"})
-                messages.append({"role": "user", "content": frame(reply.text, origin=f"tool {call['name']}")})
+                # Still framed: a tool's answer quotes task names and remote text, data and never instructions.
+                messages.append({"role": "tool", "tool_call_id": call_id,
+                                 "content": frame(reply.text, origin=f"tool {call['name']}")})
     return Reply(_("I did what I could; see the task panel for details."), data)

@@ -42,4 +42,5 @@ urlpatterns = [
     path("api/threads/<str:thread_id>/proposals/<str:proposal_id>", chat_api.ProposalDetail.as_view(),
          name="thread-proposal"),
     path("t/<uuid:thread_id>/", chat_views.thread_page, name="thread"),
+    path("tasks/<uuid:task_id>/sources/<int:n>/", chat_views.cited_source, name="cited-source"),
 ]

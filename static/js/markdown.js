@@ -10,7 +10,8 @@
 // code blocks, rules, **bold**, *italic*, `code`, [links](https://...), bare http(s)
 // URLs, and reports' numbered sources: a block of lines "[n] title — url" becomes a
 // source list, and each [n] in the text a link to its entry within the message.
-// Links go only to http(s) (new tab, rel="noopener noreferrer") or to those anchors.
+// Links go only to http(s) or to a plain path on this site such as a report's cited-source
+// page (new tab, rel="noopener noreferrer"), or to those anchors.
 
 import { gettext, interpolate } from "./i18n.js";
 
@@ -28,6 +29,11 @@ const ESCAPES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&
 /** Text made safe to place in HTML, in content or in a quoted attribute. */
 export function escapeHtml(text) {
   return String(text).replace(/[&<>"']/g, (ch) => ESCAPES[ch]);
+}
+
+/** The path if it is a plain path on this site ("/tasks/…/sources/2/"), else null. */
+export function safeLocalPath(raw) {
+  return /^\/(?!\/)[A-Za-z0-9\-._~/]*$/.test(raw) ? raw : null;
 }
 
 /** The URL if it is an absolute http(s) URL, else null. */
@@ -63,7 +69,7 @@ function renderInline(text, ctx, { links = true } = {}) {
     (_, escaped, ticks, code) => park(escaped ? escapeHtml(escaped) : `<code>${escapeHtml(code.trim())}</code>`));
   if (links) {
     s = s.replace(/\[([^\]\n]+)\]\(\s*<?([^()\s<>]+)>?\s*\)/g, (whole, label, url) => {
-      const href = safeHttpUrl(url);
+      const href = safeHttpUrl(url) || safeLocalPath(url);
       const labelHtml = renderInline(label, ctx, { links: false });
       return park(href ? externalLink(href, labelHtml) : labelHtml);
     });
@@ -248,8 +254,8 @@ function copyAllowedAttributes(from, to) {
         to.className = "cite";
         to.setAttribute("aria-label", interpolate(gettext("source %(n)s"), { n: cited[1] }));
       }
-    } else if (safeHttpUrl(href)) {
-      to.setAttribute("href", safeHttpUrl(href));
+    } else if (safeHttpUrl(href) || safeLocalPath(href)) {
+      to.setAttribute("href", safeHttpUrl(href) || safeLocalPath(href));
       to.setAttribute("target", "_blank");
       to.setAttribute("rel", "noopener noreferrer");
     }

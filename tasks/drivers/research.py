@@ -14,6 +14,7 @@ from datetime import datetime, timedelta
 from typing import Any, ClassVar
 
 from django.conf import settings
+from django.urls import reverse
 from django.utils.dateparse import parse_datetime
 
 from tasks import clock
@@ -26,6 +27,9 @@ SCHEMA_VERSION = 1
 MAX_QUESTION = 2000
 RESULTS_PER_QUERY = 5
 CANDIDATES_PER_SUBQUESTION = 3
+# A search result scoring under this share of the best one for its query is not read.
+RELEVANCE_FLOOR = 0.5
+MAX_CODE_CHARS = 2000
 MAX_SEARCH_ROUNDS = 3
 SOURCE_TEXT_LIMIT = 12_000
 QUOTES_PER_SUBQUESTION = 4
@@ -105,6 +109,7 @@ class ResearchDriver:
 
     def _plan(self, state: dict, outcomes: list, ctx: StepContext) -> Outcome:
         max_sub = ctx.input["depth"] + 2
+        state["task"] = str(ctx.task.public_id)  # the report links each source to its page in Longhaul
         request = OpRequest("model", "plan", {"question": state["question"], "constraints": state["constraints"],
                                                "max_subquestions": max_sub})
         return self._ask(state, ctx, "planning", [request], [{"type": "plan"}], [NewEvent("planning", {})])
@@ -134,7 +139,7 @@ class ResearchDriver:
         for meta, outcome in zip(state["pending"], outcomes, strict=True):
             i = meta["subquestion"]
             results = outcome.result.get("results", []) if outcome.ok else []
-            fresh = [r for r in results if isinstance(r, dict) and r.get("url")]
+            fresh = [r for r in results if isinstance(r, dict) and r.get("url") and _relevance(r) >= RELEVANCE_FLOOR]
             state["searches"][i]["urls"].extend(r["url"] for r in fresh[:CANDIDATES_PER_SUBQUESTION])
             for r in fresh[:CANDIDATES_PER_SUBQUESTION]:
                 _add_candidate(state, r["url"], str(r.get("title") or r["url"]), i)
@@ -173,7 +178,10 @@ class ResearchDriver:
                                   "subquestions": by_url[meta["url"]]["subquestions"]}
             source.update(title=str(page.get("title") or by_url[meta["url"]]["title"])[:300],
                           fetched_at=page.get("fetched_at") or clock.now().isoformat(),
-                          content_hash=page.get("content_hash", ""))
+                          content_hash=page.get("content_hash", ""),
+                          origin_url=str(page.get("origin_url") or "")[:2000])
+            if page.get("corpus"):
+                state["corpus"] = str(page["corpus"])[:200]
             if existing is None:
                 state["sources"].append(source)
             texts[source["n"]] = str(page["text"])[:SOURCE_TEXT_LIMIT]
@@ -205,8 +213,13 @@ class ResearchDriver:
             for quote in outcome.result.get("quotes", []):
                 if str(quote.get("source_id")) not in known or not quote.get("quote"):
                     continue
-                state["evidence"].append({"id": f"e{len(state['evidence']) + 1}", "n": int(quote["source_id"]),
-                                          "subquestion_index": meta["subquestion"], "quote": quote["quote"]})
+                item = {"id": f"e{len(state['evidence']) + 1}", "n": int(quote["source_id"]),
+                        "subquestion_index": meta["subquestion"], "quote": quote["quote"]}
+                if isinstance(quote.get("score"), (int, float)):
+                    item["score"] = float(quote["score"])
+                if isinstance(quote.get("code"), str) and quote["code"].strip():
+                    item["code"] = quote["code"][:MAX_CODE_CHARS]
+                state["evidence"].append(item)
                 added += 1
             events.append(NewEvent("evidence_added", {"subquestion": meta["subquestion"] + 1, "count": added}))
         if not state["evidence"]:
@@ -215,7 +228,8 @@ class ResearchDriver:
         request = OpRequest("model", "draft", {
             "question": state["question"], "subquestions": state["subquestions"], "scope": None,
             "evidence": [{"n": e["n"], "subquestion_index": e["subquestion_index"], "quote": e["quote"],
-                          "title": titles[e["n"]]} for e in state["evidence"]],
+                          "title": titles[e["n"]], **{k: e[k] for k in ("score", "code") if k in e}}
+                         for e in state["evidence"]],
         })
         events.append(NewEvent("drafting", {"evidence": len(state["evidence"])}))
         return self._ask(state, ctx, "drafting", [request], [{"type": "draft"}], events)
@@ -331,16 +345,41 @@ def compose_extractive(state: dict, *, scope: str | None) -> str:
     return "\n".join(lines).strip()
 
 
+def _relevance(result: dict) -> float:
+    value = result.get("relevance", 1.0)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 1.0
+
+
+def source_link(task_id: str, n: int) -> str:
+    """The page in Longhaul that shows a cited source's section."""
+    return reverse("cited-source", kwargs={"task_id": task_id, "n": n})
+
+
 def _result(state: dict, body: str, scope: str) -> dict[str, Any]:
-    cited = sorted({e["n"] for e in state["evidence"]})
-    sources = [{k: s[k] for k in ("n", "title", "url", "fetched_at", "content_hash")}
+    # Only sources the report cites are listed: a reader checks what the text leans on.
+    cited_in_text = {int(n) for n in re.findall(r"(?<!\\)\[(\d+)\]", body)}
+    cited = sorted({e["n"] for e in state["evidence"]} & cited_in_text) or sorted({e["n"] for e in state["evidence"]})
+    sources = [{k: s.get(k, "") for k in ("n", "title", "url", "origin_url", "fetched_at", "content_hash")}
                for s in state["sources"] if s["n"] in cited]
-    source_list = "\n".join(f"[{s['n']}] {s['title']} — {s['url']}" for s in sources)
+    lines = []
+    for s in sources:
+        title = markdown_label(s["title"])
+        local = source_link(state["task"], s["n"]) if state.get("task") and s["url"].startswith("corpus://") else ""
+        public = s["origin_url"] or (s["url"] if s["url"].startswith(("http://", "https://")) else "")
+        entry = f"[{s['n']}] [{title}]({local})" if local else f"[{s['n']}] {title}"
+        lines.append(f"{entry} — {public}" if public else entry)
+    corpus_line = f"*Read offline from {state['corpus']}.*\n\n" if state.get("corpus") else ""
     return {
-        "report": f"{body}\n\n## Sources\n\n{source_list}\n",
+        "report": f"{body}\n\n## Sources\n\n{corpus_line}" + "\n".join(lines) + "\n",
         "sources": sources,
         "evidence": state["evidence"],
         "subquestions": state["subquestions"],
         "scope": scope,
+        "corpus": state.get("corpus", ""),
         "usage": state["usage"],
     }
+
+
+def markdown_label(title: str) -> str:
+    """A title safe as a Markdown link label and on one line."""
+    return re.sub(r"([\\`*_\[\]<>#|])", r"\\\1", " ".join(title.split()))

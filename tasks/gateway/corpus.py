@@ -1,14 +1,22 @@
-"""The bundled offline corpus: Python's own reference topics and standard-library docstrings, in SQLite FTS5.
+"""The bundled offline corpus, in SQLite FTS5: the Python documentation, or pydoc's texts where it is missing.
 
-It is built on first use from what ships with CPython, so the product searches and
-quotes real text with no network. The same lexical machinery (query terms, sentence
+The index is built once into var/ on first use, in a background thread, from the HTML
+that Debian's python3.11-doc installs (tasks/gateway/pydocs.py) or, without it, from
+the reference topics and docstrings that ship with CPython (tasks/gateway/docstrings.py),
+so the product searches and quotes real text with no network.
+
+Why FTS5's bm25() and not a separate BM25 library: it ships inside Python's sqlite3,
+weighs columns natively (title, identifiers, headings, body), matches phrases, stems
+with porter, and answers from an on-disk index that several worker processes share
+without loading it into memory. The same lexical machinery (query terms, sentence
 spans, BM25 over sentences) serves the offline model provider's extract.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
+import itertools
+import logging
 import math
 import os
 import re
@@ -16,6 +24,7 @@ import sqlite3
 import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -25,47 +34,14 @@ from typing import Any
 from django.conf import settings
 
 from project.env import envstr
-from tasks.gateway import configured
+from tasks.gateway import configured, pydocs
 
 # Bump when the documents or the schema change: every installation rebuilds its index.
-CORPUS_VERSION = "1"
-TOPIC_PREFIX = "corpus://topic/"
-MODULE_PREFIX = "corpus://module/"
-
-# Packages before their submodules, so a re-exported object is named by its public path
-# (asyncio.Task, not asyncio.tasks.Task); each object is indexed once.
-MODULES = (
-    "asyncio", "asyncio.tasks", "asyncio.futures", "asyncio.exceptions", "asyncio.timeouts",
-    "asyncio.taskgroups", "asyncio.locks", "asyncio.queues", "asyncio.events", "asyncio.base_events",
-    "asyncio.streams", "asyncio.subprocess", "asyncio.runners", "asyncio.coroutines", "asyncio.threads",
-    "concurrent.futures", "threading", "multiprocessing", "queue", "contextlib", "contextvars",
-    "json", "pathlib", "os", "os.path", "shutil", "tempfile", "io", "functools", "itertools",
-    "operator", "collections", "collections.abc", "heapq", "bisect", "typing", "dataclasses", "enum",
-    "abc", "types", "inspect", "logging", "logging.handlers", "warnings", "traceback", "subprocess",
-    "signal", "selectors", "socket", "ssl", "http", "http.client", "http.server", "http.cookies",
-    "urllib", "urllib.parse", "urllib.request", "urllib.error", "email.message", "sqlite3", "re",
-    "string", "textwrap", "difflib", "datetime", "time", "zoneinfo", "calendar", "unittest",
-    "unittest.mock", "doctest", "argparse", "csv", "hashlib", "hmac", "secrets", "random",
-    "statistics", "math", "decimal", "fractions", "uuid", "base64", "struct", "pickle", "copy",
-    "weakref", "gc", "zipfile", "tarfile", "gzip", "shlex", "glob", "fnmatch", "sched", "importlib",
-    "pprint", "timeit", "sys",
-)
-
-STOPWORDS = frozenset("""
-a about above after again against all also am an and any are aren as at be because been before being
-below between both but by can cannot could did didn do does doesn doing don down during each either
-else etc even ever every few for from further get gets got had has hasn have having he her here hers
-herself him himself his how however i if in into is isn it its itself just let like ll me might more
-most much must my myself no nor not now of off on once one only or other our ours ourselves out over
-own per please re really same shall she should so some such than that the their theirs them
-themselves then there these they this those through to too under until up upon us ve very via was
-wasn we were weren what when where whether which while who whom whose why will with within without
-would yet you your yours yourself yourselves
-""".split())
+CORPUS_VERSION = "3"
+STOPWORDS = frozenset(["a", "about", "above", "after", "again", "against", "all", "also", "am", "an", "and", "any", "are", "aren", "as", "at", "be", "because", "been", "before", "being", "below", "between", "both", "but", "by", "can", "cannot", "could", "did", "didn", "do", "does", "doesn", "doing", "don", "down", "during", "each", "either", "else", "etc", "even", "ever", "every", "few", "for", "from", "further", "get", "gets", "got", "had", "has", "hasn", "have", "having", "he", "her", "here", "hers", "herself", "him", "himself", "his", "how", "however", "i", "if", "in", "into", "is", "isn", "it", "its", "itself", "just", "let", "like", "ll", "me", "might", "more", "most", "much", "must", "my", "myself", "no", "nor", "not", "now", "of", "off", "on", "once", "one", "only", "or", "other", "our", "ours", "ourselves", "out", "over", "own", "per", "please", "re", "really", "same", "shall", "she", "should", "so", "some", "such", "than", "that", "the", "their", "theirs", "them", "themselves", "then", "there", "these", "they", "this", "those", "through", "to", "too", "under", "until", "up", "upon", "us", "ve", "very", "via", "was", "wasn", "we", "were", "weren", "what", "when", "where", "whether", "which", "while", "who", "whom", "whose", "why", "will", "with", "within", "without", "would", "yet", "you", "your", "yours", "yourself", "yourselves"])
 # Words that shape a question but name nothing to look for.
 QUESTION_FILLER = frozenset(
-    "explain describe tell know work works working worked happen happens mean means thing things way ways "
-    "kind kinds use used using exactly actually basically".split()
+    ["explain", "describe", "tell", "know", "work", "works", "working", "worked", "happen", "happens", "mean", "means", "thing", "things", "way", "ways", "kind", "kinds", "use", "used", "using", "exactly", "actually", "basically", "versus", "vs", "affect", "affects", "affected", "difference", "differences", "differ", "differs"]
 )
 
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -80,8 +56,6 @@ _CODE_LINE = re.compile(
     r"|\s*(import \w[\w.]*|from [\w.]+ import .+)$"  # imports
 )
 
-_build_lock = threading.Lock()
-_ready: set[str] = set()
 
 
 def corpus_path() -> Path:
@@ -160,10 +134,14 @@ class RankedSentence:
     score: float
 
 
-_K1, _B = 1.2, 0.75
 # A term found in most of the titles is the theme every source shares ("asyncio" when all
 # sources are asyncio docs): it says little about which sentence answers the question.
 _THEME_SHARE, _THEME_WEIGHT = 0.75, 0.25
+# A sentence next to one that covers the question often finishes its thought ("It means ...").
+_NEIGHBOUR_SHARE = 0.35
+# A document named after what is asked (the glossary's "generator" for "What is a generator?")
+# answers in its first sentence: that is where the documentation defines it.
+_TITLE_SHARE, _LEAD_BONUS, _LEAD_COVER = 0.3, 0.8, 0.8
 
 
 def _stems(db: sqlite3.Connection, table: str, rows: Iterable[tuple[int, str]]) -> dict[int, list[str]]:
@@ -179,8 +157,12 @@ def _stems(db: sqlite3.Connection, table: str, rows: Iterable[tuple[int, str]]) 
 
 def rank_sentences(query: str, texts: Sequence[str], *, titles: Sequence[str] = (), limit: int,
                    cues: Mapping[str, float] | None = None) -> list[RankedSentence]:
-    """The sentences of `texts` best matching `query` by BM25 over sentences (porter-stemmed), best first.
+    """The sentences of `texts` that best cover `query`'s terms, best first.
 
+    A sentence scores the share of the query's weight it covers (each stem weighs its IDF
+    among these sentences, a theme shared by most titles less), plus a part of its better
+    neighbour's coverage, plus a part of its document title's coverage, with a bonus for
+    the first sentence of a document whose title covers most of the query (a definition).
     `cues` are extra words with their weights (below 1): hints of an aspect, such as
     "however" for pitfalls, that reorder sentences already about the subject.
     """
@@ -196,30 +178,38 @@ def rank_sentences(query: str, texts: Sequence[str], *, titles: Sequence[str] = 
         title_stems = _stems(db, "t", enumerate(titles))
     finally:
         db.close()
+    present = {row: set(stems) for row, stems in sentences.items()}
+    frequency = Counter(stem for stems in present.values() for stem in stems)
     weights: dict[str, float] = {}
-    for index, word in enumerate(words + cue_words):
+    for index, word in enumerate(words):
         for stem in query_stems.get(index, []):
-            if index < len(words):
-                shared = sum(stem in stems for stems in title_stems.values())
-                theme = len(titles) > 1 and shared >= _THEME_SHARE * len(titles)
-                weights[stem] = max(weights.get(stem, 0.0), _THEME_WEIGHT if theme else 1.0)
-            else:
-                weights.setdefault(stem, float((cues or {})[word]))
-    focus = {stem for index in range(len(words)) for stem in query_stems.get(index, [])}
-    counts = {row: Counter(stems) for row, stems in sentences.items()}
-    average = sum(len(stems) for stems in sentences.values()) / max(1, len(sentences))
-    frequency = Counter(stem for counter in counts.values() for stem in counter if stem in weights)
+            shared = sum(stem in stems for stems in title_stems.values())
+            theme = len(titles) > 1 and shared >= _THEME_SHARE * len(titles)
+            idf = math.log(1 + (len(spans) - frequency[stem] + 0.5) / (frequency[stem] + 0.5))
+            weights[stem] = max(weights.get(stem, 0.0), idf * (_THEME_WEIGHT if theme else 1.0))
+    total = sum(weights.values()) or 1.0
+    cue_stems = {stem: float((cues or {})[word]) for index, word in enumerate(cue_words, len(words))
+                 for stem in query_stems.get(index, []) if stem not in weights}
+
+    def covered(row: int) -> float:
+        return sum(w for stem, w in weights.items() if stem in present.get(row, ())) / total
+
+    title_cover = {doc: sum(w for stem, w in weights.items() if stem in set(title_stems.get(doc, []))) / total
+                   for doc in range(len(texts))}
+    first_of_doc = {}
+    for row, (doc, _span) in enumerate(spans):
+        first_of_doc.setdefault(doc, row)
     scores: dict[int, float] = {}
-    for row, counter in counts.items():
-        if not focus & counter.keys():
-            continue  # cues only reorder sentences about the subject
-        length_norm = _K1 * (1 - _B + _B * sum(counter.values()) / average)
-        score = 0.0
-        for stem, weight in weights.items():
-            tf = counter.get(stem, 0)
-            if tf:
-                idf = math.log(1 + (len(spans) - frequency[stem] + 0.5) / (frequency[stem] + 0.5))
-                score += weight * idf * tf * (_K1 + 1) / (tf + length_norm)
+    for row, (doc, _span) in enumerate(spans):
+        own = covered(row)
+        lead = row == first_of_doc[doc] and title_cover[doc] >= _LEAD_COVER
+        if own == 0 and not lead:
+            continue
+        neighbours = [covered(other) for other in (row - 1, row + 1)
+                      if 0 <= other < len(spans) and spans[other][0] == doc]
+        score = own + _NEIGHBOUR_SHARE * max(neighbours, default=0.0) + _TITLE_SHARE * title_cover[doc]
+        score += _LEAD_BONUS if lead else 0.0
+        score += sum(weight for stem, weight in cue_stems.items() if stem in present.get(row, ())) / 4
         scores[row] = score
     best = sorted(scores.items(), key=lambda item: (-item[1], item[0]))[:limit]
     return [RankedSentence(spans[row][0], spans[row][1].start, spans[row][1].end, round(score, 4))
@@ -250,105 +240,52 @@ def reflow(text: str) -> str:
     return "\n\n".join(paragraphs)
 
 
-def topic_documents() -> Iterator[tuple[str, str, str]]:
-    """(url, title, text) of each language reference topic."""
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:  # some distributions strip pydoc_data
-        return
-    for name in sorted(topics):
-        raw = topics[name]
-        lines = raw.split("\n", 2)
-        title = name
-        if len(lines) > 1 and _UNDERLINE.fullmatch(lines[1]) and lines[0].strip():
-            title = lines[0].strip()
-        yield TOPIC_PREFIX + name, title, reflow(raw)
-
-
-def _signature(name: str, obj: Any) -> str:
-    try:
-        signature = str(inspect.signature(obj))
-    except (TypeError, ValueError):
-        return name
-    # Default values can print memory addresses ("<weakref at 0x7f...>"): the index must not vary by run.
-    signature = re.sub(r" at 0x[0-9a-fA-F]+", "", signature)
-    return name + (signature if len(signature) <= 300 else signature[:299] + "…)")
-
-
-def _own_doc(obj: Any) -> str:
-    doc = getattr(obj, "__doc__", None)
-    return inspect.cleandoc(doc) if isinstance(doc, str) else ""
-
-
-def _public_members(module: Any) -> list[tuple[str, Any]]:
-    names = getattr(module, "__all__", None)
-    if names is None:
-        names = [name for name in vars(module) if not name.startswith("_")]
-    members = []
-    for name in sorted(set(names)):
-        obj = getattr(module, name, None)
-        if obj is None or inspect.ismodule(obj):
-            continue
-        home = getattr(obj, "__module__", "") or ""
-        # Without __all__, skip names a module merely imported from elsewhere.
-        if not hasattr(module, "__all__") and home.lstrip("_").split(".")[0] != module.__name__.split(".")[0]:
-            continue
-        if inspect.isclass(obj) or callable(obj):
-            members.append((name, obj))
-    return members
-
-
-def _class_members(cls: type) -> Iterator[tuple[str, Any]]:
-    for name, attr in sorted(vars(cls).items()):
-        if name.startswith("_"):
-            continue
-        target = attr.__func__ if isinstance(attr, (classmethod, staticmethod)) else attr
-        if callable(target) or isinstance(attr, property):
-            yield name, target
-
-
-def module_documents() -> Iterator[tuple[str, str, str]]:
-    """(url, title, text) of each standard-library module and its documented public classes and functions."""
-    seen: set[int] = set()
-
-    def document(dotted: str, obj: Any, *, signature: bool) -> tuple[str, str, str] | None:
-        if id(obj) in seen:
-            return None
-        seen.add(id(obj))
-        doc = _own_doc(obj)
-        if len(doc) < 15:
-            return None
-        head = _signature(dotted, obj) if signature else dotted
-        return MODULE_PREFIX + dotted, dotted, f"{head}\n\n{reflow(doc)}"
-
-    for module_name in MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception:  # a build without ssl, sqlite3, ...: index what there is
-            continue
-        entry = document(module_name, module, signature=False)
-        if entry:
-            yield entry
-        for name, obj in _public_members(module):
-            dotted = f"{module_name}.{name}"
-            first_time = id(obj) not in seen
-            entry = document(dotted, obj, signature=not inspect.isclass(obj))
-            if entry:
-                yield entry
-            if inspect.isclass(obj) and first_time:
-                for member_name, member in _class_members(obj):
-                    entry = document(f"{dotted}.{member_name}", member, signature=False)
-                    if entry:
-                        yield entry
-
-
-def documents() -> Iterator[tuple[str, str, str]]:
-    """Every document of the corpus."""
-    yield from topic_documents()
-    yield from module_documents()
-
-
 # --- The index ------------------------------------------------------------------
+
+DOCS_PREFIX = "corpus://docs/"
+PYTHON_DOCS, PYDOC = "python-docs", "pydoc"
+# Which corpus answered, as the page and the report say it.
+CORPUS_LABELS = {
+    PYTHON_DOCS: "the Python 3.11 documentation (python3.11-doc)",
+    PYDOC: "pydoc's reference topics and docstrings (the Python documentation is not installed)",
+}
+# bm25() column weights: a document's name says most, then the names it documents, the
+# headings above it, and its prose.
+FIELD_WEIGHTS = (10.0, 4.0, 2.5, 1.0)
+CANDIDATES = 400
+# Below this share of the query's weight (by IDF), and with none of its phrases, a page is off-topic.
+COVERAGE_FLOOR = 0.5
+RELATIVE_FLOOR = 0.2
+PER_PAGE = 3
+
+log = logging.getLogger(__name__)
+_build_lock = threading.Lock()
+_ready: set[str] = set()
+_builds: dict[str, threading.Thread] = {}
+_build_errors: dict[str, BaseException] = {}
+
+
+class CorpusBuilding(Exception):
+    """The index is still being built in the background."""
+
+
+@dataclass(frozen=True)
+class Document:
+    url: str
+    title: str
+    headings: str
+    identifiers: str
+    body: str
+
+
+def docs_root() -> Path:
+    raw = configured("LONGHAUL_DOCS_PATH", lambda name: envstr(name, ""))
+    return Path(raw) if raw else pydocs.DEFAULT_ROOT
+
+
+def corpus_name() -> str:
+    """The corpus this machine can build: the Python documentation when installed, else pydoc's."""
+    return PYTHON_DOCS if pydocs.available(docs_root()) else PYDOC
 
 
 def identifier_words(body: str) -> str:
@@ -365,21 +302,57 @@ def keywords(url: str, title: str) -> str:
     return f"{title} {name} " + re.sub(r"[._\-]+", " ", split)
 
 
+def _docs_documents(root: Path) -> Iterator[Document]:
+    pages = pydocs.pages(root)
+    step = max(1, len(pages) // 10)
+    for number, page in enumerate(pages, 1):
+        for section in pydocs.sections(page, root):
+            names = " ".join(section.names)
+            yield Document(
+                url=f"{DOCS_PREFIX}{section.path}#{section.anchor}",
+                title=section.title,
+                headings=" \u203a ".join(section.headings),
+                identifiers=f"{names} {identifier_words(names)}" if names else "",
+                body=section.body,
+            )
+        if number % step == 0 or number == len(pages):
+            log.info("corpus: read %d of %d pages of the Python documentation", number, len(pages))
+
+
+def _pydoc_documents() -> Iterator[Document]:
+    from tasks.gateway import docstrings
+
+    seen_bodies: set[str] = set()
+    for url, title, body in docstrings.documents():
+        # Future.cancelled and Task.cancelled share one docstring: the second copy adds nothing.
+        content = body.split("\n\n", 1)[-1] if url.startswith(docstrings.MODULE_PREFIX) else body
+        if content in seen_bodies:
+            continue
+        seen_bodies.add(content)
+        yield Document(url, title, "", f"{keywords(url, title)} {identifier_words(body)}", body)
+
+
 def _stamp() -> dict[str, str]:
-    return {"corpus_version": CORPUS_VERSION, "python": ".".join(map(str, sys.version_info[:3]))}
+    name = corpus_name()
+    return {"corpus_version": CORPUS_VERSION, "python": ".".join(map(str, sys.version_info[:3])),
+            "corpus": name, "source": str(docs_root()) if name == PYTHON_DOCS else "stdlib"}
+
+
+def _read_meta(path: Path) -> dict[str, str]:
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            return dict(db.execute("SELECT key, value FROM meta").fetchall())
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return {}
 
 
 def _is_current(path: Path) -> bool:
     if not path.exists():
         return False
-    try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            found = dict(db.execute("SELECT key, value FROM meta").fetchall())
-        finally:
-            db.close()
-    except sqlite3.Error:
-        return False
+    found = _read_meta(path)
     return all(found.get(key) == value for key, value in _stamp().items())
 
 
@@ -388,53 +361,84 @@ def build(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    stamp = _stamp()
+    started = time.monotonic()
     try:
         db = sqlite3.connect(tmp_name)
         try:
             db.executescript("""
                 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
                 CREATE TABLE documents (id INTEGER PRIMARY KEY, url TEXT NOT NULL UNIQUE, title TEXT NOT NULL,
-                                        keywords TEXT NOT NULL, identifiers TEXT NOT NULL, body TEXT NOT NULL);
+                                        headings TEXT NOT NULL, identifiers TEXT NOT NULL, body TEXT NOT NULL);
                 CREATE VIRTUAL TABLE documents_fts USING fts5(
-                    keywords, body, identifiers, content='documents', content_rowid='id',
-                    tokenize='porter unicode61');
+                    title, identifiers, headings, body, content='documents', content_rowid='id',
+                    tokenize="porter unicode61 tokenchars '_'");
             """)
-            seen_bodies: set[str] = set()
-            for url, title, body in documents():
-                # Future.cancelled and Task.cancelled share one docstring: the second copy adds nothing.
-                content = body.split("\n\n", 1)[-1] if url.startswith(MODULE_PREFIX) else body
-                if content in seen_bodies:
-                    continue
-                seen_bodies.add(content)
-                row = (url, title, keywords(url, title), identifier_words(body), body)
-                cursor = db.execute("INSERT INTO documents (url, title, keywords, identifiers, body)"
+            documents = _docs_documents(docs_root()) if stamp["corpus"] == PYTHON_DOCS else _pydoc_documents()
+            for doc in documents:
+                row = (doc.url, doc.title, doc.headings, doc.identifiers, doc.body)
+                cursor = db.execute("INSERT OR IGNORE INTO documents (url, title, headings, identifiers, body)"
                                     " VALUES (?, ?, ?, ?, ?)", row)
-                db.execute("INSERT INTO documents_fts (rowid, keywords, body, identifiers) VALUES (?, ?, ?, ?)",
-                           (cursor.lastrowid, row[2], row[4], row[3]))
+                if cursor.rowcount:
+                    db.execute("INSERT INTO documents_fts (rowid, title, identifiers, headings, body)"
+                               " VALUES (?, ?, ?, ?, ?)", (cursor.lastrowid, *row[1:]))
             db.execute("INSERT INTO documents_fts (documents_fts) VALUES ('optimize')")
-            db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", _stamp().items())
+            db.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", stamp.items())
+            count = db.execute("SELECT count(*) FROM documents").fetchone()[0]
             db.commit()
         finally:
             db.close()
         # Processes racing on a first use each build their own file; whichever rename
         # lands last wins, and readers of the other keep a complete file open.
         os.replace(tmp_name, path)
+        log.info("corpus: %d documents from %s indexed into %s in %.1f s", count, CORPUS_LABELS[stamp["corpus"]],
+                 path, time.monotonic() - started)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
 
 
-def ensure_index() -> Path:
-    """The path of a current index, building it first when missing or stale."""
+def _build_in_background(path: Path) -> None:
+    try:
+        build(path)
+    except BaseException as exc:  # handed to whoever waits for it
+        log.exception("corpus: building %s failed", path)
+        _build_errors[str(path)] = exc
+
+
+def ensure_index(*, wait_s: float | None = None) -> Path:
+    """The path of a current index; when missing or stale, it is built in a background thread first.
+
+    The caller waits up to `wait_s` (LONGHAUL_CORPUS_BUILD_WAIT_SECONDS) for the build and
+    gets CorpusBuilding if it is still running then; later callers join the same build.
+    """
     path = corpus_path()
     key = str(path)
     if key in _ready:
         return path
     with _build_lock:
-        if key not in _ready:
-            if not _is_current(path):
-                build(path)
+        if key in _ready:
+            return path
+        if _is_current(path):
             _ready.add(key)
+            return path
+        thread = _builds.get(key)
+        if thread is None or not thread.is_alive():
+            _build_errors.pop(key, None)
+            log.info("corpus: building the offline index from %s in the background", CORPUS_LABELS[corpus_name()])
+            thread = threading.Thread(target=_build_in_background, args=(path,), name="corpus-build", daemon=True)
+            _builds[key] = thread
+            thread.start()
+    if wait_s is None:
+        wait_s = float(configured("LONGHAUL_CORPUS_BUILD_WAIT_SECONDS", lambda name: envstr(name, "600")))
+    thread.join(wait_s)
+    if thread.is_alive():
+        raise CorpusBuilding(f"the offline corpus is still being built into {path}")
+    error = _build_errors.get(key)
+    if error is not None:
+        raise error
+    with _build_lock:
+        _ready.add(key)
     return path
 
 
@@ -442,35 +446,217 @@ def _connect() -> sqlite3.Connection:
     return sqlite3.connect(f"file:{ensure_index()}?mode=ro", uri=True)
 
 
-def search(query: str, *, limit: int = 10) -> list[dict[str, str]]:
-    """The documents best matching `query` (BM25, titles weighted up), as search results."""
+def describe() -> dict[str, str]:
+    """Which corpus answers here: {"corpus": name, "label": words for people}."""
+    name = _read_meta(ensure_index()).get("corpus", PYDOC)
+    return {"corpus": name, "label": CORPUS_LABELS.get(name, name)}
+
+
+def origin_url(url: str) -> str:
+    """The public address of a corpus document (docs.python.org), or "" for pydoc's."""
+    return pydocs.origin_url(*url[len(DOCS_PREFIX):].split("#", 1)) if url.startswith(DOCS_PREFIX) else ""
+
+
+# --- Search ---------------------------------------------------------------------
+
+
+@dataclass
+class _Candidate:
+    rowid: int
+    url: str
+    title: str
+    body: str
+    bm25: float
+    score: float = 0.0
+
+
+def _document_frequency(db: sqlite3.Connection, expression: str) -> int:
+    return db.execute("SELECT count(*) FROM documents_fts WHERE documents_fts MATCH ?", (expression,)).fetchone()[0]
+
+
+def _matching(db: sqlite3.Connection, expression: str, rowids: Sequence[int]) -> set[int]:
+    marks = ",".join("?" * len(rowids))
+    return {row for (row,) in db.execute(
+        f"SELECT rowid FROM documents_fts WHERE documents_fts MATCH ? AND rowid IN ({marks})",
+        (expression, *rowids))}
+
+
+def _quoted(*words: str) -> str:
+    return '"' + " ".join(words).replace('"', '""') + '"'
+
+
+def _compounds(db: sqlite3.Connection, terms: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """Adjacent query terms the index knows as one word ("context manager" -> contextmanager)."""
+    found: dict[str, tuple[str, str]] = {}
+    for first, second in itertools.pairwise(terms):
+        joined = first + second
+        if _document_frequency(db, f"title : {_quoted(joined)} OR identifiers : {_quoted(joined)}"):
+            found[joined] = (first, second)
+    return found
+
+
+def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
+    """The documents best answering `query`, best first, as search results.
+
+    BM25 over the fields with FIELD_WEIGHTS picks candidates; each is then scored by how
+    much of the query's weight it covers (by IDF: a rare term counts more than "lock") and
+    by the query's phrases it contains ("global interpreter lock" as words in a row, more
+    so in its title or headings). A candidate below the coverage floor with none of the
+    phrases is off-topic and dropped, and so is one scoring below RELATIVE_FLOOR of the
+    best; near-duplicates and more than PER_PAGE sections of one page are dropped too.
+    Each result's "relevance" is its score over the best one's (1.0 for the first).
+    """
     terms = query_terms(query)
     if not terms or limit < 1:
         return []
     db = _connect()
     try:
+        compounds = _compounds(db, terms)
+        weights = ", ".join(str(w) for w in FIELD_WEIGHTS)
         rows = db.execute(
-            """
-            SELECT d.url, d.title, snippet(documents_fts, 1, '', '', ' … ', 32)
+            f"""
+            SELECT d.id, d.url, d.title, d.body, bm25(documents_fts, {weights})
             FROM documents_fts JOIN documents d ON d.id = documents_fts.rowid
-            WHERE documents_fts MATCH ?
-            -- Names weigh most; a one-line docstring gives less to read than a page, so it yields a little.
-            ORDER BY bm25(documents_fts, 8.0, 1.0, 0.5) * (0.6 + 0.4 * min(1.0, length(d.body) / 600.0)), d.id
-            LIMIT ?
-            """,
-            (match_expression(terms), limit),
+            WHERE documents_fts MATCH ? ORDER BY 5, d.id LIMIT ?
+            """,  # the weights are constants
+            (match_expression([*terms, *compounds]), CANDIDATES),
         ).fetchall()
+        candidates = [_Candidate(*row) for row in rows]
+        if not candidates:
+            return []
+        rowids = [c.rowid for c in candidates]
+        total = db.execute("SELECT count(*) FROM documents").fetchone()[0]
+        idf = {t: math.log(1 + (total - (df := _document_frequency(db, _quoted(t))) + 0.5) / (df + 0.5))
+               for t in terms}
+        covers = {t: _matching(db, _quoted(t), rowids) for t in terms}
+        for joined, (first, second) in compounds.items():
+            hits = _matching(db, _quoted(joined), rowids)
+            covers[first] |= hits
+            covers[second] |= hits
+        phrases = [terms[i:i + n] for n in (3, 2) for i in range(len(terms) - n + 1)]
+        in_text = {tuple(p): _matching(db, _quoted(*p), rowids) for p in phrases}
+        in_name = {tuple(p): _matching(db, "{title headings identifiers} : " + _quoted(*p), rowids) for p in phrases}
+        snippets = dict(db.execute(
+            f"SELECT rowid, snippet(documents_fts, 3, '', '', ' \u2026 ', 32) FROM documents_fts "
+            f"WHERE documents_fts MATCH ? AND rowid IN ({','.join('?' * len(rowids))})",
+            (match_expression([*terms, *compounds]), *rowids)).fetchall())
     finally:
         db.close()
-    return [{"url": url, "title": title, "snippet": " ".join(snippet.split())} for url, title, snippet in rows]
+    weight = sum(idf.values()) or 1.0
+    names = [t for t in terms if "_" in t]
+    kept: list[_Candidate] = []
+    for c in candidates:
+        coverage = sum(idf[t] for t in terms if c.rowid in covers[t]) / weight
+        phrase_hits = sum(c.rowid in hits for hits in in_text.values())
+        squeezed = c.title.lower().replace("_", "")
+        named = any(c.rowid in hits for hits in in_name.values()) or any(joined in squeezed for joined in compounds)
+        # Its whole name is asked about ("threading.RLock", "global interpreter lock"), not a part of it.
+        exact = _is_named_by(c.title, [*terms, *compounds])
+        if coverage < COVERAGE_FLOOR and not phrase_hits:
+            continue
+        if names and not any(c.rowid in covers[t] for t in names):
+            continue  # the query names an identifier (__slots__, json.loads): a page without it is off-topic
+        substance = 0.6 + 0.4 * min(1.0, len(c.body) / 600.0)
+        c.score = -c.bm25 * (0.25 + coverage ** 2) * (1 + 0.5 * min(phrase_hits, 2) + (1.0 if named else 0.0)) \
+            * substance * (3.0 if exact else 1.0)
+        kept.append(c)
+    kept.sort(key=lambda c: (-c.score, c.rowid))
+    results: list[dict[str, str]] = []
+    per_page: Counter[str] = Counter()
+    for c in kept:
+        if results and c.score < RELATIVE_FLOOR * kept[0].score:
+            break
+        page = c.url.split("#", 1)[0]
+        if per_page[page] >= PER_PAGE or any(_near_duplicate(c, other) for other in kept[:kept.index(c)]
+                                             if other.url in {r["url"] for r in results}):
+            continue
+        per_page[page] += 1
+        results.append({"url": c.url, "title": c.title, "snippet": " ".join(snippets.get(c.rowid, "").split()),
+                        "relevance": round(c.score / kept[0].score, 3)})
+        if len(results) >= limit:
+            break
+    return results
+
+
+def _singular(word: str) -> str:
+    return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
+
+
+def _is_named_by(title: str, terms: Sequence[str]) -> bool:
+    """Every word of a short title is among the query's terms (plurals aside)."""
+    name = re.sub(r"^[\d.]+\s", "", title).split(" \u2014 ", 1)[0]  # "logging — Logging facility ..." is "logging"
+    words = [_singular(w) for w in _WORD.findall(name.lower())]
+    asked = {_singular(t) for t in terms}
+    return 0 < len(words) <= 4 and all(w in asked for w in words)
+
+
+def _shingles(text: str) -> set[tuple[str, ...]]:
+    words = _WORD.findall(text.lower())
+    return {tuple(words[i:i + 4]) for i in range(max(1, len(words) - 3))}
+
+
+def _near_duplicate(a: _Candidate, b: _Candidate) -> bool:
+    """The same text under two names (Lock.acquire and RLock.acquire often are), or the same title."""
+    if a.title.lower() == b.title.lower():
+        return True
+    first, second = _shingles(a.body.split("\n\n", 1)[-1]), _shingles(b.body.split("\n\n", 1)[-1])
+    return bool(first and second) and len(first & second) / len(first | second) >= 0.7
+
+
+def names_a_document(words: str) -> str | None:
+    """What names these words: "term" (a glossary entry), "module", "object", "title" (another page), or None.
+
+    Several words match a title containing them in a row ("context manager" in "Context
+    Manager Types"); one word must be the whole title, a module's ("json — ...") or an
+    object's last part ("os.path").
+    """
+    terms = [w for w in _WORD.findall(words.lower()) if w]
+    if not terms:
+        return None
+    word = words.lower().strip()
+    db = _connect()
+    try:
+        rows = [url for (url,) in db.execute(
+            "SELECT url FROM documents WHERE lower(title) IN (?, ?, ?) OR lower(title) LIKE ? ESCAPE '\\' "
+            "OR lower(title) LIKE ? ESCAPE '\\' LIMIT 50",
+            (word, word + "s", _singular(word), _like(word) + " \u2014 %", "%." + _like(word)))]
+        if any("glossary.html#term-" in url for url in rows):
+            return "term"
+        if any("#module-" in url or url.startswith(docstrings_module_prefix()) for url in rows):
+            return "module"
+        if rows:
+            return "object"
+        if len(terms) > 1 and _document_frequency(db, "title : " + _quoted(*terms)):
+            return "title"
+        return None
+    finally:
+        db.close()
+
+
+def docstrings_module_prefix() -> str:
+    return "corpus://module/"
+
+
+def documented_names(question: str, *, limit: int = 2, floor: float = 0.6) -> list[str]:
+    """The documented objects and modules that best answer a question ("contextlib.contextmanager")."""
+    names = []
+    for result in search(question, limit=6):
+        name = result["title"].split(" \u2014 ", 1)[0]
+        if result.get("relevance", 0) >= floor and re.fullmatch(r"[A-Za-z_][\w.]*", name) and (
+                "." in name or "#module-" in result["url"]):
+            names.append(name)
+    return list(dict.fromkeys(names))[:limit]
+
+
+def _like(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
 
 
 def read(url: str) -> dict[str, str] | None:
-    """The title and text of one corpus document, or None if there is no such document."""
+    """The title, headings and text of one corpus document, or None if there is no such document."""
     db = _connect()
     try:
-        row = db.execute("SELECT title, body FROM documents WHERE url = ?", (url,)).fetchone()
+        row = db.execute("SELECT title, headings, body FROM documents WHERE url = ?", (url,)).fetchone()
     finally:
         db.close()
-    return None if row is None else {"title": row[0], "text": row[1]}
-
+    return None if row is None else {"title": row[0], "headings": row[1], "text": row[2]}

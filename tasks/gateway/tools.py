@@ -1,9 +1,10 @@
 """Tools behind one interface (DESIGN §9): `search` and `visit`.
 
-search {"query": str, "limit": int} -> {"results": [{"url", "title", "snippet"}]}
+search {"query": str, "limit": int} -> {"results": [{"url", "title", "snippet", "relevance"?}]}
     the bundled offline corpus, or a SearxNG-compatible JSON endpoint when LONGHAUL_SEARCH_URL is set.
 visit {"url": str} -> {"url", "final_url", "title", "text", "fetched_at", "content_hash", "truncated",
-    "content_type"}: corpus:// documents, or an http(s) page through fetch.py's limits.
+    "content_type", "origin_url"?, "corpus"?}: corpus:// documents (with their docs.python.org address and
+    which corpus answered), or an http(s) page through fetch.py's limits.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ async def search(query: str, *, limit: int, client: httpx.AsyncClient, budget: R
     if not endpoint:
         try:
             return await asyncio.to_thread(corpus.search, query, limit=limit)
+        except corpus.CorpusBuilding as exc:
+            raise TransientError(f"search: {exc}; try again shortly") from exc
         except sqlite3.Error as exc:
             raise InternalError(f"search: the offline corpus failed: {exc}") from exc
     # A 429's Retry-After pauses the search pool (tasks/pools.py), not this call alone.
@@ -131,6 +134,9 @@ def corpus_page(url: str) -> dict[str, Any]:
     """The visit result for a corpus document."""
     try:
         document = corpus.read(url)
+        which = corpus.describe()
+    except corpus.CorpusBuilding as exc:
+        raise TransientError(f"visit: {exc}; try again shortly") from exc
     except sqlite3.Error as exc:
         raise InternalError(f"visit: the offline corpus failed: {exc}") from exc
     if document is None:
@@ -144,4 +150,6 @@ def corpus_page(url: str) -> dict[str, Any]:
         "content_hash": hashlib.sha256(document["text"].encode("utf-8")).hexdigest(),
         "truncated": False,
         "content_type": "text/plain",
+        "origin_url": corpus.origin_url(url),
+        "corpus": which["label"],
     }

@@ -167,7 +167,7 @@ def completion(reply: Reply, request: dict[str, Any]) -> dict[str, Any]:
         "id": "chatcmpl-fake",
         "object": "chat.completion",
         "model": reply.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+        "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if reply.tool_calls else "stop"}],
         "usage": reply.usage,
     }
 

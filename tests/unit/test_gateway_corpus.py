@@ -1,4 +1,6 @@
-"""The bundled offline corpus: built from CPython's own docs, searched with BM25, read through visit."""
+"""The fallback offline corpus (pydoc's topics and docstrings, where the Python documentation is not
+installed): built from what ships with CPython, searched with BM25, read through visit.
+The documentation's own corpus is tested in test_python_docs_corpus.py."""
 
 from __future__ import annotations
 
@@ -9,23 +11,28 @@ from pathlib import Path
 
 import httpx
 import pytest
+from django.test import override_settings
 
 from tasks.errors import PermanentError
 from tasks.gateway import corpus
 from tasks.gateway.retry import RetryBudget
 from tasks.gateway.tools import ToolCall, run_tool
 
+NO_DOCS = "/nonexistent/python3.11-doc"  # as on a machine without the documentation
+
 
 @pytest.fixture(scope="session")
 def corpus_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.sqlite3"
-    corpus.build(path)
+    with override_settings(LONGHAUL_DOCS_PATH=NO_DOCS):
+        corpus.build(path)
     return path
 
 
 @pytest.fixture
 def offline_corpus(settings, corpus_file) -> Path:
     settings.LONGHAUL_SEARCH_URL = ""
+    settings.LONGHAUL_DOCS_PATH = NO_DOCS
     settings.LONGHAUL_CORPUS_PATH = str(corpus_file)
     return corpus_file
 
@@ -42,7 +49,8 @@ async def test_it_finds_several_distinct_documents_on_asyncio_cancellation(offli
     assert len(set(urls)) == len(urls) >= 3
     for result in results[:3]:
         assert "cancel" in (result["title"] + result["snippet"]).lower()
-    assert all(set(result) == {"url", "title", "snippet"} for result in results)
+    assert all(set(result) == {"url", "title", "snippet", "relevance"} for result in results)
+    assert results[0]["relevance"] == 1.0 and all(0 < result["relevance"] <= 1 for result in results)
 
 
 async def test_a_question_reaches_the_documents_that_answer_it(offline_corpus):
@@ -87,6 +95,8 @@ async def test_visit_reads_a_corpus_document(offline_corpus):
     assert page["content_hash"] == hashlib.sha256(page["text"].encode()).hexdigest()
     assert page["truncated"] is False
     assert page["content_type"] == "text/plain"
+    assert page["origin_url"] == ""  # pydoc's texts have no public page
+    assert "pydoc" in page["corpus"]
 
 
 async def test_visit_reads_a_reference_topic(offline_corpus):
@@ -112,6 +122,7 @@ def read_stamp(path: Path) -> dict[str, str]:
 def test_it_builds_on_first_use_and_rebuilds_when_the_corpus_version_changes(settings, tmp_path, monkeypatch):
     path = tmp_path / "index" / "corpus.sqlite3"
     settings.LONGHAUL_CORPUS_PATH = str(path)
+    settings.LONGHAUL_DOCS_PATH = NO_DOCS
     monkeypatch.setattr(corpus, "_ready", set())
 
     assert corpus.ensure_index() == path
@@ -130,6 +141,7 @@ def test_it_builds_on_first_use_and_rebuilds_when_the_corpus_version_changes(set
     assert [p.name for p in path.parent.iterdir()] == ["corpus.sqlite3"]  # no temporary files left
 
 
+@override_settings(LONGHAUL_DOCS_PATH=NO_DOCS)
 def test_concurrent_builds_leave_one_complete_index(tmp_path):
     path = tmp_path / "corpus.sqlite3"
     errors: list[BaseException] = []
