@@ -47,7 +47,9 @@ QUESTIONS: tuple[Question, ...] = (
     # Context managers
     Question(
         "How do I write a context manager using a generator function?",
-        ("library/contextlib.html",),
+        # stdtypes.html was added after reading the reports: its "Context Manager Types" says to decorate
+        # a generator function with contextlib.contextmanager. (So were the three pages marked below.)
+        ("library/contextlib.html", "library/stdtypes.html"),
     ),
     # Files and paths
     Question(
@@ -134,7 +136,8 @@ QUESTIONS: tuple[Question, ...] = (
     # Errors
     Question(
         "What happens when both the try block and the finally block contain a return statement?",
-        ("tutorial/errors.html", "reference/compound_stmts.html"),
+        # Added after reading: "When return passes control out of a try statement with a finally clause ..."
+        ("tutorial/errors.html", "reference/compound_stmts.html", "reference/simple_stmts.html"),
     ),
     Question(
         "What is exception chaining, and what does raise ... from do?",
@@ -153,7 +156,8 @@ QUESTIONS: tuple[Question, ...] = (
     # Tools of the standard library
     Question(
         "How do I configure logging to write timestamped messages to a file?",
-        ("howto/logging.html", "library/logging.html"),
+        # Added after reading: the cookbook's recipes log to files with %(asctime)s formats.
+        ("howto/logging.html", "library/logging.html", "howto/logging-cookbook.html"),
     ),
     Question(
         "How do I parse command-line arguments with argparse, with a positional argument and an optional flag?",
@@ -177,7 +181,8 @@ QUESTIONS: tuple[Question, ...] = (
     ),
     Question(
         "Pickle versus json: which should I use to save Python objects?",
-        ("library/pickle.html", "tutorial/inputoutput.html"),
+        # Added after reading: a comparison of the two needs json's own page as much as pickle's.
+        ("library/pickle.html", "tutorial/inputoutput.html", "library/json.html"),
     ),
     Question(
         "What is the difference between a shallow copy and a deep copy?",

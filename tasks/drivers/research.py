@@ -142,7 +142,7 @@ class ResearchDriver:
             fresh = [r for r in results if isinstance(r, dict) and r.get("url") and _relevance(r) >= RELEVANCE_FLOOR]
             state["searches"][i]["urls"].extend(r["url"] for r in fresh[:CANDIDATES_PER_SUBQUESTION])
             for r in fresh[:CANDIDATES_PER_SUBQUESTION]:
-                _add_candidate(state, r["url"], str(r.get("title") or r["url"]), i)
+                _add_candidate(state, r["url"], str(r.get("title") or r["url"]), i, _relevance(r))
             rounds = len(state["searches"][i]["queries"])
             if not fresh and rounds < MAX_SEARCH_ROUNDS:
                 # Nothing found: ask differently (a new query, not a retry of the same one).
@@ -175,7 +175,8 @@ class ResearchDriver:
             page = outcome.result
             existing = next((s for s in state["sources"] if s["url"] == meta["url"]), None)
             source = existing or {"n": len(state["sources"]) + 1, "url": meta["url"],
-                                  "subquestions": by_url[meta["url"]]["subquestions"]}
+                                  "subquestions": by_url[meta["url"]]["subquestions"],
+                                  "relevance": by_url[meta["url"]].get("relevance", 1.0)}
             source.update(title=str(page.get("title") or by_url[meta["url"]]["title"])[:300],
                           fetched_at=page.get("fetched_at") or clock.now().isoformat(),
                           content_hash=page.get("content_hash", ""),
@@ -225,10 +226,12 @@ class ResearchDriver:
         if not state["evidence"]:
             raise PermanentError(f"no evidence found in {len(state['sources'])} sources")
         titles = {s["n"]: s["title"] for s in state["sources"]}
+        relevance = {s["n"]: s.get("relevance", 1.0) for s in state["sources"]}
         request = OpRequest("model", "draft", {
             "question": state["question"], "subquestions": state["subquestions"], "scope": None,
             "evidence": [{"n": e["n"], "subquestion_index": e["subquestion_index"], "quote": e["quote"],
-                          "title": titles[e["n"]], **{k: e[k] for k in ("score", "code") if k in e}}
+                          "title": titles[e["n"]], "relevance": relevance[e["n"]],
+                          **{k: e[k] for k in ("score", "code") if k in e}}
                          for e in state["evidence"]],
         })
         events.append(NewEvent("drafting", {"evidence": len(state["evidence"])}))
@@ -293,13 +296,15 @@ def _rephrase(subquestion: str, round_number: int) -> str:
     return " ".join(words[:keep])
 
 
-def _add_candidate(state: dict, url: str, title: str, subquestion: int) -> None:
+def _add_candidate(state: dict, url: str, title: str, subquestion: int, relevance: float = 1.0) -> None:
+    """A page to read, with the sub-questions that found it and its best relevance among their searches."""
     for candidate in state["candidates"]:
         if candidate["url"] == url:
             if subquestion not in candidate["subquestions"]:
                 candidate["subquestions"].append(subquestion)
+            candidate["relevance"] = max(candidate.get("relevance", 1.0), relevance)
             return
-    state["candidates"].append({"url": url, "title": title, "subquestions": [subquestion]})
+    state["candidates"].append({"url": url, "title": title, "subquestions": [subquestion], "relevance": relevance})
 
 
 def _stale_sources(state: dict, texts: dict[int, str], *, now: datetime) -> list[dict]:

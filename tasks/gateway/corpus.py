@@ -257,6 +257,9 @@ CANDIDATES = 400
 COVERAGE_FLOOR = 0.5
 RELATIVE_FLOOR = 0.2
 PER_PAGE = 3
+OTHER_MODULE = 0.4
+DEFINITION_FOR_HOW_TO = 0.4
+HOW_TO = re.compile(r"\s*how (do|can|should|would|could) (i|you|we|one)\b|\s*how to\b", re.IGNORECASE)
 
 log = logging.getLogger(__name__)
 _build_lock = threading.Lock()
@@ -544,6 +547,8 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
         db.close()
     weight = sum(idf.values()) or 1.0
     names = [t for t in terms if "_" in t]
+    modules = _modules_named(query)
+    how_to = HOW_TO.match(query) is not None
     kept: list[_Candidate] = []
     for c in candidates:
         coverage = sum(idf[t] for t in terms if c.rowid in covers[t]) / weight
@@ -557,6 +562,11 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
         if names and not any(c.rowid in covers[t] for t in names):
             continue  # the query names an identifier (__slots__, json.loads): a page without it is off-topic
         substance = 0.6 + 0.4 * min(1.0, len(c.body) / 600.0)
+        if how_to and "glossary.html#" in c.url:
+            substance *= DEFINITION_FOR_HOW_TO  # a definition does not show how
+        if modules and _other_module(c.url, modules):
+            # The question names its modules (datetime, threading.RLock): another module's page is a detour.
+            substance *= OTHER_MODULE
         c.score = -c.bm25 * (0.25 + coverage ** 2) * (1 + 0.5 * min(phrase_hits, 2) + (1.0 if named else 0.0)) \
             * substance * (3.0 if exact else 1.0)
         kept.append(c)
@@ -576,6 +586,37 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
         if len(results) >= limit:
             break
     return results
+
+
+def _modules_named(query: str) -> set[str]:
+    """The documented modules a query names: dotted names' modules (threading.RLock) and bare module names (json)."""
+    found: set[str] = set()
+    tokens = [(m.group(), query[m.end():].lstrip()) for m in re.finditer(r"[A-Za-z_][\w.]*\w", query)]
+    db = _connect()
+    try:
+        for token, rest in tokens:
+            following = _WORD.match(rest.lower())
+            if "." not in token and following and following.group() not in STOPWORDS | QUESTION_FILLER:
+                continue  # a word inside a phrase ("local time zone") is English, not the module
+            parts = token.lower().split(".")
+            for end in range(len(parts), 0, -1):
+                module = ".".join(parts[:end])
+                if db.execute("SELECT 1 FROM documents WHERE url = ?",
+                              (f"{DOCS_PREFIX}library/{module}.html#module-{module}",)).fetchone():
+                    found.add(module)
+                    break
+    finally:
+        db.close()
+    return found
+
+
+def _other_module(url: str, modules: set[str]) -> bool:
+    """A page of the library reference about a module the query does not name (nor a submodule of one it names)."""
+    match = re.match(re.escape(DOCS_PREFIX) + r"library/([\w.]+)\.html", url)
+    if match is None:
+        return False
+    page = match[1].lower()
+    return not any(page == m or page.startswith(m + ".") for m in modules)
 
 
 def _singular(word: str) -> str:
@@ -604,11 +645,12 @@ def _near_duplicate(a: _Candidate, b: _Candidate) -> bool:
 
 
 def names_a_document(words: str) -> str | None:
-    """What names these words: "term" (a glossary entry), "module", "object", "title" (another page), or None.
+    """What names these words: "term" (a glossary entry), "module", "object" or "title" (another page), or None.
 
-    Several words match a title containing them in a row ("context manager" in "Context
-    Manager Types"); one word must be the whole title, a module's ("json — ...") or an
-    object's last part ("os.path").
+    The words must be a whole title (plurals aside): a glossary term's ("context manager"),
+    a module's before its dash ("json — ..."), an object's last part ("os.path"), or a
+    section's ("Generators"). "typed fields" names nothing though a section is titled
+    "Descriptor-typed fields".
     """
     terms = [w for w in _WORD.findall(words.lower()) if w]
     if not terms:
@@ -624,11 +666,9 @@ def names_a_document(words: str) -> str | None:
             return "term"
         if any("#module-" in url or url.startswith(docstrings_module_prefix()) for url in rows):
             return "module"
-        if rows:
+        if any(url.split("#", 1)[1].count(".") or "." in word for url in rows if "#" in url):
             return "object"
-        if len(terms) > 1 and _document_frequency(db, "title : " + _quoted(*terms)):
-            return "title"
-        return None
+        return "title" if rows else None
     finally:
         db.close()
 
@@ -637,15 +677,30 @@ def docstrings_module_prefix() -> str:
     return "corpus://module/"
 
 
-def documented_names(question: str, *, limit: int = 2, floor: float = 0.6) -> list[str]:
-    """The documented objects and modules that best answer a question ("contextlib.contextmanager")."""
+def documented_names(question: str, *, limit: int = 2, floor: float = 0.7) -> list[str]:
+    """The documented objects and modules among a question's best results whose own name echoes a word of it.
+
+    "contextlib.contextmanager" for a context manager, "functools.lru_cache" for caching;
+    not "importlib.machinery.FileFinder", which a question about caching finds for its
+    prose, not its name.
+    """
+    asked = {word for word in _WORD.findall(question.lower()) if len(word) >= 3 and word not in STOPWORDS}
     names = []
-    for result in search(question, limit=6):
+    for result in search(question, limit=4):
         name = result["title"].split(" \u2014 ", 1)[0]
-        if result.get("relevance", 0) >= floor and re.fullmatch(r"[A-Za-z_][\w.]*", name) and (
-                "." in name or "#module-" in result["url"]):
+        if result.get("relevance", 0) < floor or not re.fullmatch(r"[A-Za-z_][\w.]*", name):
+            continue
+        if ("." in name or "#module-" in result["url"]) and _echoes(name.rsplit(".", 1)[-1], asked):
             names.append(name)
     return list(dict.fromkeys(names))[:limit]
+
+
+def _echoes(name: str, asked: set[str]) -> bool:
+    """Whether a word of the name (CamelCase and snake_case split, compounds kept) shares its stem with one asked."""
+    split = re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", name).replace("_", " ").lower().split()
+    words = {w for w in [*split, name.lower().replace("_", "")] if len(w) >= 3}
+    joined = {a + b for a in asked for b in asked if a != b}
+    return any(w[:4] == a[:4] and min(len(w), len(a)) >= 4 or w == a for w in words for a in asked | joined)
 
 
 def _like(text: str) -> str:

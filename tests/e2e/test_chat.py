@@ -170,3 +170,37 @@ def test_it_cancels_one_of_two_tasks_with_one_click_and_tells_each_once(page: Pa
     assert ids == sorted(set(ids))
     assert Task.objects.get(name="Test task (9 steps)").status == "cancelled"
     assert TaskEvent.objects.filter(task__name="Test task (9 steps)", kind="cancelled").count() == 1
+
+
+def test_the_report_answers_first_and_a_citation_opens_the_cited_section(page: Page, server: str):
+    make_user("alice", Tenant.objects.create(slug="acme", name="Acme Research"))
+    sign_in(page, server, "alice")
+
+    send(page, "research what is the global interpreter lock and how does it affect threads?")
+    name = "Research: what is the global interpreter lock and how does it affect threads"
+    report = assistant_messages(page, f"{name} is done")
+    expect(report).to_have_count(1, timeout=60_000)
+
+    # It opens with a direct answer: a paragraph of sentences, each with its citation.
+    task = Task.objects.get(thread__public_id=thread_id_of(page))
+    answer = task.result["report"].split("\n\n", 1)[0]
+    paragraph = report.locator(".prose p").filter(has_text=answer.split(" [", 1)[0][-40:]).first
+    expect(paragraph).to_be_visible()
+    expect(paragraph.locator("a.cite")).to_have_count(len(re.findall(r"\[\d+\]", answer)))
+
+    # Each listed source links to its section in Longhaul and to docs.python.org.
+    source = task.result["sources"][0]
+    entry = report.locator(f"ol.sources li[value='{source['n']}']")
+    expect(entry.get_by_role("link", name=source["title"])).to_have_attribute(
+        "href", f"/tasks/{task.public_id}/sources/{source['n']}/")
+    expect(entry.locator(f"a[href='{source['origin_url']}']")).to_have_count(1)
+    with page.context.expect_page() as opened:
+        entry.get_by_role("link", name=source["title"]).click()
+    section = opened.value
+    section.wait_for_load_state()
+    expect(section.get_by_role("heading", level=1)).to_have_text(source["title"])
+    quoted = next(e["quote"] for e in task.result["evidence"] if e["n"] == source["n"])
+    expect(section.locator("mark").filter(has_text=quoted[:60]).first).to_be_visible()
+    expect(section.get_by_role("link", name="Open on docs.python.org")).to_have_attribute("href",
+                                                                                         source["origin_url"])
+    section.close()

@@ -74,6 +74,8 @@ def aspect_cues(subquestion: str) -> dict[str, float]:
 _HOW_TO = re.compile(r"^\s*how (do|can|should|would|could) (i|you|we|one)\b|^\s*how to\b|\bexamples?\b", re.IGNORECASE)
 CODE_LINES = 15
 QUOTE_FLOOR = 0.6
+# A source carrying less than this share of the best source's evidence is not cited.
+SOURCE_FLOOR = 0.4
 
 
 def extract_quotes(subquestion: str, sources: list[dict[str, Any]], max_quotes: int) -> list[dict[str, Any]]:
@@ -165,7 +167,7 @@ def _code_block(code: str) -> str:
 
 
 def draft_report(question: str, subquestions: list[str], evidence: list[dict[str, Any]], scope: str | None,
-                 *, per_section: int = 2, answer_sentences: int = 4, max_sources: int = 4) -> str:
+                 *, per_section: int = 2, answer_sentences: int = 4, max_sources: int = 3) -> str:
     """A Markdown report that answers first: a direct answer of two to four cited sentences, then one section
     per sub-question with the rest of its evidence (no sentence used twice), code examples as code.
 
@@ -173,12 +175,15 @@ def draft_report(question: str, subquestions: list[str], evidence: list[dict[str
     """
     items: list[dict[str, Any]] = []
     used: set[str] = set()
-    # The sources that carry the most evidence, best first, are the ones cited; a source
-    # quoted once, thinly, among many would only add a page to check.
+    # The sources that carry the most evidence from the best-ranked pages are the ones cited;
+    # a source quoted once, thinly, among many would only add a page to check.
     weight: dict[Any, float] = {}
     for item in evidence:
-        weight[item["n"]] = weight.get(item["n"], 0.0) + float(item.get("score") or 1.0)
-    cited = set(sorted(weight, key=lambda n: -weight[n])[:max_sources])
+        found = item.get("relevance", 1.0)  # how the search ranked the page, against its best result
+        found = float(found) if isinstance(found, (int, float)) and not isinstance(found, bool) else 1.0
+        weight[item["n"]] = weight.get(item["n"], 0.0) + float(item.get("score") or 1.0) * found
+    ranked = sorted(weight, key=lambda n: -weight[n])[:max_sources]
+    cited = {n for n in ranked if weight[n] >= SOURCE_FLOOR * weight[ranked[0]]}
     for item in evidence:
         if item["n"] not in cited:
             continue
