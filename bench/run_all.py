@@ -8,7 +8,9 @@ BENCHMARKS.md is generated, never typed: each benchmark returns its own tables (
 and this script adds the machine, the date and one line per benchmark saying what was measured
 and whether its target was met. A benchmark that fails is reported as failed; the others still run.
 bench/stream_latency.py (WebSocket stream latency) runs as a subprocess when REDIS_URL is set,
-and its printed report is included as it printed it; bench/fairness.py (DESIGN §5) runs last.
+and its printed report is included as it printed it; bench/fairness.py (DESIGN §5) runs after the
+runtime's benchmarks, and bench/research_quality.py (research reports against 36 questions) last.
+`--only NAME --merge` measures some again and replaces only their sections.
 bench/drill.py is a fault drill, not a benchmark, and is not run here.
 """
 
@@ -26,7 +28,7 @@ from collections.abc import Callable
 import _harness as h
 
 BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "active_tasks", "stream_latency",
-              "fairness")
+              "fairness", "research_quality")
 STREAM_TIMEOUT = 600
 
 
@@ -95,9 +97,16 @@ def _fairness() -> h.Report:
     return fairness.run()
 
 
+def _research_quality() -> h.Report:
+    import research_quality
+
+    return research_quality.run()
+
+
 RUNNERS: dict[str, Callable[[], h.Report]] = {
     "throughput": _throughput, "claim_scale": _claim_scale, "api": _api, "notify_latency": _notify_latency,
     "inflight": _inflight, "active_tasks": _active_tasks, "stream_latency": _stream_latency, "fairness": _fairness,
+    "research_quality": _research_quality,
 }
 
 
@@ -131,10 +140,37 @@ def document(reports: list[h.Report], seconds: float) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def merged(existing: str, reports: list[h.Report]) -> str:
+    """BENCHMARKS.md with these reports' summary lines and sections replaced (or added), the others kept."""
+    head, _, rest = existing.partition("\n## Summary\n")
+    summary_block, _, sections = rest.partition("\n## ")
+    summary = [line for line in summary_block.strip().splitlines() if line.startswith("- ")]
+    chunks = [chunk.rstrip() for chunk in re.split(r"\n(?=## )", "## " + sections) if chunk.strip()]
+    for report in reports:
+        line = f"- {report.summary()}"
+        _replace_or_append(summary, lambda old: old.startswith(f"- **{report.name}**"), line)
+        title = f"## {report.title}"
+        chunk = report.markdown(level=2).rstrip()
+        _replace_or_append(chunks, lambda old: old.split("\n", 1)[0] == title, chunk)
+    note = "Sections were measured in separate runs where their Measured line says so (run_all.py --merge)."
+    head = head.rstrip() if note in head else f"{head.rstrip()} {note}"
+    return "\n".join([head, "", "## Summary", "", *summary, "", *[c + "\n" for c in chunks]]).rstrip() + "\n"
+
+
+def _replace_or_append(items: list[str], matches: Callable[[str], bool], new: str) -> None:
+    at = next((i for i, old in enumerate(items) if matches(old)), None)
+    if at is None:
+        items.append(new)
+    else:
+        items[at] = new
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=",".join(BENCHMARKS), help=f"comma-separated, of: {', '.join(BENCHMARKS)}")
     parser.add_argument("--output", default=str(h.ROOT / "BENCHMARKS.md"))
+    parser.add_argument("--merge", action="store_true",
+                        help="replace only these benchmarks' sections in the existing output, keeping the others")
     parser.add_argument("--purge-leftovers", action="store_true",
                         help="first remove the rows of earlier benchmark runs that were killed before cleaning up")
     args = parser.parse_args()
@@ -156,8 +192,10 @@ def main() -> None:
             report = failed(name, exc)
         print(report.markdown(), flush=True)
         reports.append(report)
+    previous = open(args.output).read() if args.merge and os.path.exists(args.output) else ""
+    text = merged(previous, reports) if previous else document(reports, time.monotonic() - started)
     with open(args.output, "w") as out:
-        out.write(document(reports, time.monotonic() - started))
+        out.write(text)
     print(f"\nwrote {args.output}")
 
 

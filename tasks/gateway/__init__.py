@@ -14,6 +14,8 @@ environment (a bad value raises ImproperlyConfigured naming the variable):
     LONGHAUL_VISIT_MAX_BYTES       body size limit of visit (default 2_000_000)
     LONGHAUL_VISIT_TIMEOUT_S       time limit of one visit request (default 15)
     LONGHAUL_CORPUS_PATH           the offline corpus index (default VAR_DIR/corpus.sqlite3)
+    LONGHAUL_DOCS_PATH             the Python HTML documentation (default /usr/share/doc/python3.11/html)
+    LONGHAUL_CORPUS_BUILD_WAIT_SECONDS  how long a search waits for the index being built (default 600)
 """
 
 from __future__ import annotations

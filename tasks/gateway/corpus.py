@@ -33,7 +33,7 @@ from typing import Any
 
 from django.conf import settings
 
-from project.env import envstr
+from project.env import envfloat, envstr
 from tasks.gateway import configured, pydocs
 
 # Bump when the documents or the schema change: every installation rebuilds its index.
@@ -433,7 +433,8 @@ def ensure_index(*, wait_s: float | None = None) -> Path:
             _builds[key] = thread
             thread.start()
     if wait_s is None:
-        wait_s = float(configured("LONGHAUL_CORPUS_BUILD_WAIT_SECONDS", lambda name: envstr(name, "600")))
+        wait_s = float(configured("LONGHAUL_CORPUS_BUILD_WAIT_SECONDS",
+                                  lambda name: envfloat(name, 600.0, minimum=0.0, maximum=3600.0)))
     thread.join(wait_s)
     if thread.is_alive():
         raise CorpusBuilding(f"the offline corpus is still being built into {path}")
