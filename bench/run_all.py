@@ -24,6 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import _harness as h
 
@@ -148,17 +149,17 @@ def merged(existing: str, reports: list[h.Report]) -> str:
     chunks = [chunk.rstrip() for chunk in re.split(r"\n(?=## )", "## " + sections) if chunk.strip()]
     for report in reports:
         line = f"- {report.summary()}"
-        _replace_or_append(summary, lambda old: old.startswith(f"- **{report.name}**"), line)
+        _replace_or_append(summary, [old.startswith(f"- **{report.name}**") for old in summary], line)
         title = f"## {report.title}"
         chunk = report.markdown(level=2).rstrip()
-        _replace_or_append(chunks, lambda old: old.split("\n", 1)[0] == title, chunk)
+        _replace_or_append(chunks, [old.split("\n", 1)[0] == title for old in chunks], chunk)
     note = "Sections were measured in separate runs where their Measured line says so (run_all.py --merge)."
     head = head.rstrip() if note in head else f"{head.rstrip()} {note}"
     return "\n".join([head, "", "## Summary", "", *summary, "", *[c + "\n" for c in chunks]]).rstrip() + "\n"
 
 
-def _replace_or_append(items: list[str], matches: Callable[[str], bool], new: str) -> None:
-    at = next((i for i, old in enumerate(items) if matches(old)), None)
+def _replace_or_append(items: list[str], matches: list[bool], new: str) -> None:
+    at = next((i for i, match in enumerate(matches) if match), None)
     if at is None:
         items.append(new)
     else:
@@ -192,7 +193,8 @@ def main() -> None:
             report = failed(name, exc)
         print(report.markdown(), flush=True)
         reports.append(report)
-    previous = open(args.output).read() if args.merge and os.path.exists(args.output) else ""
+    output = Path(args.output)
+    previous = output.read_text() if args.merge and output.exists() else ""
     text = merged(previous, reports) if previous else document(reports, time.monotonic() - started)
     with open(args.output, "w") as out:
         out.write(text)
