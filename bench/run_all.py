@@ -148,14 +148,26 @@ def merged(existing: str, reports: list[h.Report]) -> str:
     summary = [line for line in summary_block.strip().splitlines() if line.startswith("- ")]
     chunks = [chunk.rstrip() for chunk in re.split(r"\n(?=## )", "## " + sections) if chunk.strip()]
     for report in reports:
-        line = f"- {report.summary()}"
-        _replace_or_append(summary, [old.startswith(f"- **{report.name}**") for old in summary], line)
-        title = f"## {report.title}"
-        chunk = report.markdown(level=2).rstrip()
-        _replace_or_append(chunks, [old.split("\n", 1)[0] == title for old in chunks], chunk)
+        # A benchmark's section is the one under its title in the summary (a failed run's title differs).
+        mine = [old.startswith(f"- **{report.name}** (") for old in summary]
+        titles = {f"## {report.title}", f"## {report.name} (failed)"}
+        titles |= {"## " + _title_in(old) for old, match in zip(summary, mine, strict=True) if match}
+        _replace_or_append(summary, mine, f"- {report.summary()}")
+        _replace_or_append(chunks, [old.split("\n", 1)[0] in titles for old in chunks], report.markdown(level=2).rstrip())
     note = "Sections were measured in separate runs where their Measured line says so (run_all.py --merge)."
     head = head.rstrip() if note in head else f"{head.rstrip()} {note}"
     return "\n".join([head, "", "## Summary", "", *summary, "", *[c + "\n" for c in chunks]]).rstrip() + "\n"
+
+
+def _title_in(summary_line: str) -> str:
+    """The title of a summary line "- **name** (Title): ..." (titles may hold parentheses)."""
+    rest = summary_line.split("** (", 1)[1]
+    depth = 0
+    for at, char in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth < 0:
+            return rest[:at]
+    return rest
 
 
 def _replace_or_append(items: list[str], matches: list[bool], new: str) -> None:

@@ -52,21 +52,25 @@ def cited_source(request: HttpRequest, task_id: UUID, n: int) -> HttpResponse:
     any other, or a source the report does not list, is a 404. Web sources are not kept,
     so their page shows the quotes and the address.
     """
-    task = visible_tasks(request.user, request.tenant).filter(public_id=task_id).first()
+    task = visible_tasks(request.user, request.tenant).filter(public_id=task_id, kind="research").first()
     result = task.result if task is not None and isinstance(task.result, dict) else {}
     source = next((s for s in result.get("sources", []) if isinstance(s, dict) and s.get("n") == n), None)
     if source is None:
         raise Http404("no such source")
     quotes = [e["quote"] for e in result.get("evidence", []) if e.get("n") == n and isinstance(e.get("quote"), str)]
+    url = str(source.get("url", ""))
+    in_corpus = url.startswith(CORPUS_SCHEME)
     document = None
-    if str(source.get("url", "")).startswith(CORPUS_SCHEME):
+    if in_corpus:
         try:
-            document = corpus.read(source["url"])
-        except (sqlite3.Error, corpus.CorpusBuilding):
+            corpus.ensure_index(wait_s=0)  # a page never waits for, nor fails on, an index being built
+            document = corpus.read(url)
+        except (sqlite3.Error, corpus.CorpusError):
             document = None
     blocks = _blocks(document["text"], quotes) if document else [Block("para", [(q, True)]) for q in quotes]
     return render(request, "chat/source.html", {
         "task": task, "source": source, "n": n, "blocks": blocks, "kept": document is not None,
+        "in_corpus": in_corpus, "web_url": url if url.startswith(("http://", "https://")) else "",
         "headings": document["headings"].split(" \u203a ") if document and document["headings"] else [],
         "corpus": result.get("corpus", ""), "tenant": request.tenant,
     })

@@ -59,10 +59,14 @@ function externalLink(href, labelHtml) {
   return `<a href="${escapeHtml(href)}" target="_blank" rel="noopener noreferrer">${labelHtml}</a>`;
 }
 
-function renderInline(text, ctx, { links = true } = {}) {
-  const parked = [];
+/**
+ * Inline Markdown as HTML. `into`: the parked list of an enclosing call (a link's label), whose
+ * placeholders the text already holds; they are left for that call to put back.
+ */
+function renderInline(text, ctx, { links = true, into = null } = {}) {
+  const parked = into || [];
   const park = (html) => `${OPEN}${parked.push(html) - 1}${CLOSE}`;
-  let s = text.replace(/[\uE000\uE001]/g, "");
+  let s = into ? text : text.replace(/[\uE000\uE001]/g, "");
 
   // One scan, left to right: an escaped backtick opens no code span, and a code span keeps its backslashes.
   s = s.replace(/\\([\\`*_{}[\]()#+\-.!<>|~])|(`+)([^`]|[^`][\s\S]*?[^`])\2(?!`)/g,
@@ -70,7 +74,7 @@ function renderInline(text, ctx, { links = true } = {}) {
   if (links) {
     s = s.replace(/\[([^\]\n]+)\]\(\s*<?([^()\s<>]+)>?\s*\)/g, (whole, label, url) => {
       const href = safeHttpUrl(url) || safeLocalPath(url);
-      const labelHtml = renderInline(label, ctx, { links: false });
+      const labelHtml = renderInline(label, ctx, { links: false, into: parked });
       return park(href ? externalLink(href, labelHtml) : labelHtml);
     });
     s = s.replace(/<(https?:\/\/[^\s<>]+)>|\bhttps?:\/\/[^\s<>"'`]+/gi, (whole, bracketed) => {
@@ -99,6 +103,7 @@ function renderInline(text, ctx, { links = true } = {}) {
   s = s.replace(/\*(?=[^\s*])([^*]*?[^\s*])\*/g, "<em>$1</em>");
   s = s.replace(/(^|[^\w])_(?=[^\s_])([^_]*?[^\s_])_(?!\w)/g, "$1<em>$2</em>");
   s = s.replace(/\n/g, "<br>");
+  if (into) return s;
 
   for (let round = 0; round < 4 && HAS_PARKED.test(s); round += 1) {
     s = s.replace(PARKED, (_, i) => parked[Number(i)]);

@@ -37,7 +37,7 @@ from project.env import envfloat, envstr
 from tasks.gateway import configured, pydocs
 
 # Bump when the documents or the schema change: every installation rebuilds its index.
-CORPUS_VERSION = "3"
+CORPUS_VERSION = "4"
 STOPWORDS = frozenset(["a", "about", "above", "after", "again", "against", "all", "also", "am", "an", "and", "any", "are", "aren", "as", "at", "be", "because", "been", "before", "being", "below", "between", "both", "but", "by", "can", "cannot", "could", "did", "didn", "do", "does", "doesn", "doing", "don", "down", "during", "each", "either", "else", "etc", "even", "ever", "every", "few", "for", "from", "further", "get", "gets", "got", "had", "has", "hasn", "have", "having", "he", "her", "here", "hers", "herself", "him", "himself", "his", "how", "however", "i", "if", "in", "into", "is", "isn", "it", "its", "itself", "just", "let", "like", "ll", "me", "might", "more", "most", "much", "must", "my", "myself", "no", "nor", "not", "now", "of", "off", "on", "once", "one", "only", "or", "other", "our", "ours", "ourselves", "out", "over", "own", "per", "please", "re", "really", "same", "shall", "she", "should", "so", "some", "such", "than", "that", "the", "their", "theirs", "them", "themselves", "then", "there", "these", "they", "this", "those", "through", "to", "too", "under", "until", "up", "upon", "us", "ve", "very", "via", "was", "wasn", "we", "were", "weren", "what", "when", "where", "whether", "which", "while", "who", "whom", "whose", "why", "will", "with", "within", "without", "would", "yet", "you", "your", "yours", "yourself", "yourselves"])
 # Words that shape a question but name nothing to look for.
 QUESTION_FILLER = frozenset(
@@ -95,8 +95,8 @@ def sentence_spans(text: str, *, min_chars: int = 25, max_chars: int = 600) -> l
         # Indented lines are code, grammar or examples in reference text: not quotable prose.
         if _CODE_LINE.match(line.group()) or line.group().startswith(("  ", "\t")):
             continue
-        start = line.start()
-        for boundary in _SENTENCE_END.finditer(text, line.start(), line.end()):
+        start = line.start() + (2 if line.group().startswith("- ") else 0)  # a list item's marker is not text
+        for boundary in _SENTENCE_END.finditer(text, start, line.end()):
             if text[max(start, boundary.start() - 6):boundary.start()].endswith(_ABBREVIATIONS):
                 continue
             spans.append(Span(start, boundary.start()))
@@ -265,11 +265,20 @@ log = logging.getLogger(__name__)
 _build_lock = threading.Lock()
 _ready: set[str] = set()
 _builds: dict[str, threading.Thread] = {}
-_build_errors: dict[str, BaseException] = {}
+_build_errors: dict[str, tuple[float, BaseException]] = {}
+REBUILD_AFTER_S = 300.0
 
 
-class CorpusBuilding(Exception):
+class CorpusError(Exception):
+    """The offline index cannot answer now."""
+
+
+class CorpusBuilding(CorpusError):
     """The index is still being built in the background."""
+
+
+class CorpusUnavailable(CorpusError):
+    """Building the index failed; it is tried again after REBUILD_AFTER_S."""
 
 
 @dataclass(frozen=True)
@@ -406,15 +415,19 @@ def _build_in_background(path: Path) -> None:
         build(path)
     except BaseException as exc:  # handed to whoever waits for it
         log.exception("corpus: building %s failed", path)
-        _build_errors[str(path)] = exc
+        _build_errors[str(path)] = (time.monotonic(), exc)
 
 
 def ensure_index(*, wait_s: float | None = None) -> Path:
     """The path of a current index; when missing or stale, it is built in a background thread first.
 
     The caller waits up to `wait_s` (LONGHAUL_CORPUS_BUILD_WAIT_SECONDS) for the build and
-    gets CorpusBuilding if it is still running then; later callers join the same build.
+    gets CorpusBuilding if it is still running then; later callers join the same build. A
+    failed build raises CorpusUnavailable, and is not tried again for REBUILD_AFTER_S.
     """
+    if wait_s is None:
+        wait_s = float(configured("LONGHAUL_CORPUS_BUILD_WAIT_SECONDS",
+                                  lambda name: envfloat(name, 60.0, minimum=0.0, maximum=3600.0)))
     path = corpus_path()
     key = str(path)
     if key in _ready:
@@ -425,6 +438,9 @@ def ensure_index(*, wait_s: float | None = None) -> Path:
         if _is_current(path):
             _ready.add(key)
             return path
+        failed = _build_errors.get(key)
+        if failed is not None and time.monotonic() - failed[0] < REBUILD_AFTER_S:
+            raise CorpusUnavailable(f"building the offline corpus failed: {failed[1]}")
         thread = _builds.get(key)
         if thread is None or not thread.is_alive():
             _build_errors.pop(key, None)
@@ -432,16 +448,13 @@ def ensure_index(*, wait_s: float | None = None) -> Path:
             thread = threading.Thread(target=_build_in_background, args=(path,), name="corpus-build", daemon=True)
             _builds[key] = thread
             thread.start()
-    if wait_s is None:
-        wait_s = float(configured("LONGHAUL_CORPUS_BUILD_WAIT_SECONDS",
-                                  lambda name: envfloat(name, 600.0, minimum=0.0, maximum=3600.0)))
     thread.join(wait_s)
     if thread.is_alive():
         raise CorpusBuilding(f"the offline corpus is still being built into {path}")
-    error = _build_errors.get(key)
-    if error is not None:
-        raise error
     with _build_lock:
+        if not _is_current(path):
+            failed = _build_errors.get(key)
+            raise CorpusUnavailable(f"building the offline corpus failed: {failed[1] if failed else 'no index'}")
         _ready.add(key)
     return path
 
@@ -557,11 +570,13 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
         squeezed = c.title.lower().replace("_", "")
         named = any(c.rowid in hits for hits in in_name.values()) or any(joined in squeezed for joined in compounds)
         # Its whole name is asked about ("threading.RLock", "global interpreter lock"), not a part of it.
-        exact = _is_named_by(c.title, [*terms, *compounds])
-        if coverage < COVERAGE_FLOOR and not phrase_hits:
+        exact = _is_named_by(c.title, query, compounds)
+        if names:
+            # The query names an identifier (__slots__, lru_cache): a page is on-topic if and only if it has it.
+            if not any(c.rowid in covers[t] for t in names):
+                continue
+        elif coverage < COVERAGE_FLOOR and not phrase_hits:
             continue
-        if names and not any(c.rowid in covers[t] for t in names):
-            continue  # the query names an identifier (__slots__, json.loads): a page without it is off-topic
         substance = 0.6 + 0.4 * min(1.0, len(c.body) / 600.0)
         if how_to and "glossary.html#" in c.url:
             substance *= DEFINITION_FOR_HOW_TO  # a definition does not show how
@@ -572,16 +587,17 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
             * substance * (3.0 if exact else 1.0)
         kept.append(c)
     kept.sort(key=lambda c: (-c.score, c.rowid))
-    results: list[dict[str, str]] = []
+    results: list[dict[str, Any]] = []
+    accepted: list[_Candidate] = []
     per_page: Counter[str] = Counter()
     for c in kept:
         if results and c.score < RELATIVE_FLOOR * kept[0].score:
             break
         page = c.url.split("#", 1)[0]
-        if per_page[page] >= PER_PAGE or any(_near_duplicate(c, other) for other in kept[:kept.index(c)]
-                                             if other.url in {r["url"] for r in results}):
+        if per_page[page] >= PER_PAGE or any(_near_duplicate(c, other) for other in accepted):
             continue
         per_page[page] += 1
+        accepted.append(c)
         results.append({"url": c.url, "title": c.title, "snippet": " ".join(snippets.get(c.rowid, "").split()),
                         "relevance": round(c.score / kept[0].score, 3)})
         if len(results) >= limit:
@@ -624,12 +640,20 @@ def _singular(word: str) -> str:
     return word[:-1] if len(word) > 3 and word.endswith("s") and not word.endswith("ss") else word
 
 
-def _is_named_by(title: str, terms: Sequence[str]) -> bool:
-    """Every word of a short title is among the query's terms (plurals aside)."""
+def _is_named_by(title: str, query: str, compounds: Iterable[str] = ()) -> bool:
+    """The words of a short title are a run of the query's words, in order (plurals aside).
+
+    "threading.RLock" in "... threading.Lock and threading.RLock?", "global interpreter lock",
+    "contextmanager" for "context manager"; not "Return types" for "returns the same type".
+    """
     name = re.sub(r"^[\d.]+\s", "", title).split(" \u2014 ", 1)[0]  # "logging — Logging facility ..." is "logging"
     words = [_singular(w) for w in _WORD.findall(name.lower())]
-    asked = {_singular(t) for t in terms}
-    return 0 < len(words) <= 4 and all(w in asked for w in words)
+    asked = [_singular(w) for w in _WORD.findall(query.lower())]
+    if not 0 < len(words) <= 4:
+        return False
+    if len(words) == 1 and words[0] in compounds:
+        return True
+    return any(asked[i:i + len(words)] == words for i in range(len(asked) - len(words) + 1))
 
 
 def _shingles(text: str) -> set[tuple[str, ...]]:
@@ -679,7 +703,7 @@ def docstrings_module_prefix() -> str:
 
 
 def documented_names(question: str, *, limit: int = 2, floor: float = 0.7) -> list[str]:
-    """The documented objects and modules among a question's best results whose own name echoes a word of it.
+    """The documented objects among a question's best results whose own name echoes a word of it.
 
     "contextlib.contextmanager" for a context manager, "functools.lru_cache" for caching;
     not "importlib.machinery.FileFinder", which a question about caching finds for its
@@ -691,7 +715,8 @@ def documented_names(question: str, *, limit: int = 2, floor: float = 0.7) -> li
         name = result["title"].split(" \u2014 ", 1)[0]
         if result.get("relevance", 0) < floor or not re.fullmatch(r"[A-Za-z_][\w.]*", name):
             continue
-        if ("." in name or "#module-" in result["url"]) and _echoes(name.rsplit(".", 1)[-1], asked):
+        # An object, not a whole module: "What does unittest do?" is too broad to answer a how-to.
+        if "." in name and "#module-" not in result["url"] and _echoes(name.rsplit(".", 1)[-1], asked):
             names.append(name)
     return list(dict.fromkeys(names))[:limit]
 

@@ -115,8 +115,8 @@ class _PageParser(HTMLParser):
                 self._text.append("\n" if self._in_pre else " ")
             return
         action = ""
-        if self._main_depth < 0:
-            if tag == "div" and a.get("role") == "main":
+        if self._main_depth < 0 or self._skip_depth >= 0:  # outside the body, or inside what is skipped
+            if self._main_depth < 0 and tag == "div" and a.get("role") == "main":
                 self._main_depth = len(self._tags)
                 action = "main"
             self._tags.append((tag, action))
@@ -136,6 +136,15 @@ class _PageParser(HTMLParser):
         elif tag == "dl" and _OBJECT_DL.search(a.get("class", "")):
             action = "dl-object"
             self._in_dl_object += 1
+        elif tag == "dt" and self._in_dl_object and self._last_closed in ("dt-doc", "dt-more") \
+                and self.open and self.open[-1].kind == "object":
+            # Several signatures over one description (os.spawnl, os.spawnle, ...; window.addch's
+            # two forms, the second without an id): one document.
+            self._flush()
+            if a.get("id"):
+                self.open[-1].names.append(a["id"])
+            self._target = "signature"
+            action = "dt-more"
         elif tag == "dt" and a.get("id") and (self._in_dl_object or a["id"].startswith("term-")):
             self._flush()
             kind = "term" if a["id"].startswith("term-") and not self._in_dl_object else "object"
@@ -145,7 +154,7 @@ class _PageParser(HTMLParser):
             self._push(section)
             self._target = "title" if kind == "term" else "signature"
             action = "dt-doc"
-        elif tag == "dd" and self._tags and self._last_closed == "dt-doc":
+        elif tag == "dd" and self._tags and self._last_closed in ("dt-doc", "dt-more"):
             action = "dd-doc"
         elif tag in _HEADINGS:
             self._flush()
@@ -195,6 +204,11 @@ class _PageParser(HTMLParser):
                     section.title = text
                 elif text:
                     section.blocks.append(text)  # the signature opens an object's text
+            self._target = ""
+        elif action == "dt-more":
+            text = self._take()
+            if text and self.open:
+                self.open[-1].blocks.append(text)
             self._target = ""
         elif action == "dd-doc":
             self._flush()

@@ -80,7 +80,7 @@ async def search(query: str, *, limit: int, client: httpx.AsyncClient, budget: R
             return await asyncio.to_thread(corpus.search, query, limit=limit)
         except corpus.CorpusBuilding as exc:
             raise TransientError(f"search: {exc}; try again shortly") from exc
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, corpus.CorpusUnavailable) as exc:
             raise InternalError(f"search: the offline corpus failed: {exc}") from exc
     # A 429's Retry-After pauses the search pool (tasks/pools.py), not this call alone.
     return await with_retries(lambda: web_search(endpoint, query, limit=limit, client=client),
@@ -137,7 +137,7 @@ def corpus_page(url: str) -> dict[str, Any]:
         which = corpus.describe()
     except corpus.CorpusBuilding as exc:
         raise TransientError(f"visit: {exc}; try again shortly") from exc
-    except sqlite3.Error as exc:
+    except (sqlite3.Error, corpus.CorpusUnavailable) as exc:
         raise InternalError(f"visit: the offline corpus failed: {exc}") from exc
     if document is None:
         raise PermanentError(f"visit: no corpus document at {url}")

@@ -188,9 +188,13 @@ def test_the_report_answers_first_and_a_citation_opens_the_cited_section(page: P
     expect(paragraph).to_be_visible()
     expect(paragraph.locator("a.cite")).to_have_count(len(re.findall(r"\[\d+\]", answer)))
 
-    # Each listed source links to its section in Longhaul and to docs.python.org.
-    source = task.result["sources"][0]
-    entry = report.locator(f"ol.sources li[value='{source['n']}']")
+    # A citation of the answer leads to its source, which links to its section in Longhaul and to docs.python.org.
+    citation = paragraph.locator("a.cite").first
+    n = int(citation.inner_text().strip("[]"))
+    citation.click()
+    source = next(s for s in task.result["sources"] if s["n"] == n)
+    entry = report.locator(f"ol.sources li[value='{n}']")
+    expect(entry).to_be_focused()
     expect(entry.get_by_role("link", name=source["title"])).to_have_attribute(
         "href", f"/tasks/{task.public_id}/sources/{source['n']}/")
     expect(entry.locator(f"a[href='{source['origin_url']}']")).to_have_count(1)
@@ -204,3 +208,8 @@ def test_the_report_answers_first_and_a_citation_opens_the_cited_section(page: P
     expect(section.get_by_role("link", name="Open on docs.python.org")).to_have_attribute("href",
                                                                                          source["origin_url"])
     section.close()
+
+    # A source title with Markdown's special characters keeps them in its link (the label is escaped).
+    html = page.evaluate("""async () => (await import('/static/js/markdown.js')).markdownToHtml(
+        '[1] [object.\\\\_\\\\_init\\\\_\\\\_](/tasks/x/sources/1/) — https://docs.python.org/3.11/')""")
+    assert '<a href="/tasks/x/sources/1/" target="_blank" rel="noopener noreferrer">object.__init__</a>' in html

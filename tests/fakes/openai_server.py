@@ -23,6 +23,7 @@ import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,7 +121,7 @@ def plain_sentences(text: str) -> list[str]:
 class _Handler(QuietHandler):
     protocol_version = "HTTP/1.1"
 
-    def do_POST(self) -> None:  # noqa: N802 - the name http.server dispatches to
+    def do_POST(self) -> None:
         server: FakeOpenAI = self.owner
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length)
@@ -238,3 +239,20 @@ class FakeOpenAI(LoopbackServer):
 def fake_openai() -> Iterator[FakeOpenAI]:
     with FakeOpenAI() as server:
         yield server
+
+
+@contextmanager
+def serving_as_the_model(settings: Any, *, default: Reply | Status, model: str = "fake-model") -> Iterator[FakeOpenAI]:
+    """A fake server named as the model provider by the settings the chat agent and the gateway read."""
+    from asgiref.sync import SyncToAsync
+    from django.db import connections
+
+    with FakeOpenAI(default=default) as server:
+        settings.LONGHAUL_MODEL_PROVIDER = "openai"
+        settings.LONGHAUL_MODEL_BASE_URL = server.base_url
+        settings.LONGHAUL_MODEL = model
+        settings.LONGHAUL_MODEL_API_KEY = ""
+        yield server
+    # The agent queried from asgiref's sync thread: close its connection, or the test database cannot be dropped.
+    SyncToAsync.single_thread_executor.submit(connections.close_all).result()
+

@@ -26,8 +26,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from asgiref.sync import SyncToAsync
-from django.db import connections
 from rest_framework.test import APIClient
 
 from chat import agent
@@ -35,7 +33,7 @@ from chat.models import Message, Proposal, Run, Thread
 from chat.runs import start_run
 from tasks.models import Task
 from tasks.statuses import TERMINAL, TaskStatus
-from tests.fakes.openai_server import FakeOpenAI, Reply, Status
+from tests.fakes.openai_server import FakeOpenAI, Reply, Status, serving_as_the_model
 from tests.integration.chatting import run_queued
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -56,14 +54,8 @@ WireMessage = dict[str, Any]  # a chat-completions message as sent
 @pytest.fixture
 def model(settings) -> Iterator[FakeOpenAI]:
     """The fake server, named as the model provider by the settings the agent reads."""
-    with FakeOpenAI(default=UNSCRIPTED) as server:
-        settings.LONGHAUL_MODEL_PROVIDER = "openai"
-        settings.LONGHAUL_MODEL_BASE_URL = server.base_url
-        settings.LONGHAUL_MODEL = MODEL
-        settings.LONGHAUL_MODEL_API_KEY = ""
+    with serving_as_the_model(settings, default=UNSCRIPTED, model=MODEL) as server:
         yield server
-    # The agent queried from asgiref's sync thread: close its connection, or the test database cannot be dropped.
-    SyncToAsync.single_thread_executor.submit(connections.close_all).result()
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from asgiref.sync import SyncToAsync
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 
@@ -25,7 +24,7 @@ from tasks.models import AuditEntry, Task
 from tasks.statuses import TaskStatus
 from tests.conftest import api_client_for
 from tests.factories import make_task
-from tests.fakes.openai_server import FakeOpenAI, Reply
+from tests.fakes.openai_server import FakeOpenAI, Reply, serving_as_the_model
 from tests.integration.chatting import run_queued
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -49,14 +48,8 @@ def servers_file(tmp_path, settings):
 
 @pytest.fixture
 def model(settings) -> Iterator[FakeOpenAI]:
-    with FakeOpenAI(default=Reply(content="Done.")) as server:
-        settings.LONGHAUL_MODEL_PROVIDER = "openai"
-        settings.LONGHAUL_MODEL_BASE_URL = server.base_url
-        settings.LONGHAUL_MODEL = "fake-model"
-        settings.LONGHAUL_MODEL_API_KEY = ""
+    with serving_as_the_model(settings, default=Reply(content="Done."), model="fake-model") as server:
         yield server
-    # The agent queried from asgiref's sync thread: close its connection, or the test database cannot be dropped.
-    SyncToAsync.single_thread_executor.submit(connections.close_all).result()
 
 
 @pytest.fixture

@@ -65,6 +65,17 @@ def test_a_documented_object_is_a_document_with_its_name_signature_prose_and_cod
     assert "enter_context" not in found["contextlib.ExitStack"].body.split("\n\n", 1)[1][:200]
 
 
+def test_signatures_sharing_one_description_are_one_document_and_headings_stay_the_page_outline():
+    found = {s.anchor: s for s in pydocs.sections(ROOT / "library" / "os.html", ROOT)}
+
+    spawn = found["os.spawnl"]
+    assert {"os.spawnle", "os.spawnlp", "os.spawnv"} <= set(spawn.names)
+    assert "os.spawnle" not in found  # one document for the group, not one per signature
+    assert any("Execute the program path in a new process." in block for block in spawn.blocks)
+    every = [s for page in pydocs.pages(ROOT) for s in pydocs.sections(page, ROOT)]
+    assert max(len(s.headings) for s in every) <= 5  # page, chapter, section, class, method at most
+
+
 def test_glossary_terms_and_faq_questions_are_documents():
     glossary = {s.anchor: s for s in pydocs.sections(ROOT / "glossary.html", ROOT)}
     gil = glossary["term-global-interpreter-lock"]
@@ -113,8 +124,9 @@ def test_the_page_a_python_programmer_would_cite_comes_first(docs_corpus, query,
 def test_an_off_topic_question_reads_nothing(docs_corpus):
     assert corpus.search("xylophone quux zzzqv", limit=5) == []
     # A page naming neither __slots__ nor anything like it is not a result for a question about it.
-    assert all("slots" in r["url"].lower() + r["snippet"].lower() + r["title"].lower()
-               for r in corpus.search("When is __slots__ worth using?", limit=10))
+    results = corpus.search("When is __slots__ worth using?", limit=10)
+    assert results
+    assert all("slots" in r["url"].lower() + r["snippet"].lower() + r["title"].lower() for r in results)
 
 
 def test_results_are_ranked_relative_to_the_best_and_near_duplicates_are_collapsed(docs_corpus):
@@ -167,6 +179,35 @@ def test_the_index_is_built_in_the_background_with_progress_in_the_log(settings,
     messages = [record.getMessage() for record in caplog.records]
     assert any(message.startswith("corpus: read ") and " of " in message for message in messages)
     assert any("documents from the Python 3.11 documentation" in message for message in messages)
+
+
+def test_a_failed_build_is_reported_and_not_retried_at_once(settings, tmp_path, monkeypatch):
+    settings.LONGHAUL_DOCS_PATH = str(ROOT)
+    settings.LONGHAUL_CORPUS_PATH = str(tmp_path / "corpus.sqlite3")
+    monkeypatch.setattr(corpus, "_ready", set())
+    monkeypatch.setattr(corpus, "_build_errors", {})
+    builds = []
+
+    def broken(path):
+        builds.append(path)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(corpus, "build", broken)
+
+    with pytest.raises(corpus.CorpusUnavailable, match="disk full"):
+        corpus.ensure_index(wait_s=10)
+    with pytest.raises(corpus.CorpusUnavailable, match="disk full"):
+        corpus.ensure_index(wait_s=10)
+    assert len(builds) == 1  # the second caller is told, not handed a new build
+    assert str(tmp_path / "corpus.sqlite3") not in corpus._ready
+
+
+def test_a_list_item_is_quoted_without_its_marker():
+    text = "- Return a new sorted list from the items in the iterable given here.\n\nAnother plain sentence here."
+
+    quotes = [text[s.start:s.end] for s in corpus.sentence_spans(text)]
+
+    assert quotes[0] == "Return a new sorted list from the items in the iterable given here."
 
 
 def test_without_the_documentation_the_pydoc_corpus_answers_and_says_so(settings, tmp_path, monkeypatch):

@@ -23,7 +23,7 @@ from tasks.gateway.retry import RetryBudget, Sleep
 PURPOSES = ("plan", "extract", "draft", "chat")
 PROVIDERS = ("offline", "openai")
 # Recorded on a task at start with the model: a change of prompts is a change of behaviour.
-PROMPT_VERSION = "1"
+PROMPT_VERSION = "2"
 
 
 @dataclass(frozen=True)

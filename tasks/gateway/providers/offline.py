@@ -33,14 +33,14 @@ def plan_subquestions(question: str, max_subquestions: int) -> list[str]:
 def _names_for(question: str) -> list[str]:
     try:
         return corpus.documented_names(question)
-    except (sqlite3.Error, corpus.CorpusBuilding):
+    except (sqlite3.Error, corpus.CorpusError):
         return []
 
 
 def _known(words: str) -> str | None:
     try:
         return corpus.names_a_document(words)
-    except (sqlite3.Error, corpus.CorpusBuilding):
+    except (sqlite3.Error, corpus.CorpusError):
         return "title"  # no index to ask: keep the phrase rather than lose the question's terms
 
 
@@ -214,7 +214,7 @@ def draft_report(question: str, subquestions: list[str], evidence: list[dict[str
         if rest:
             parts.append(" ".join(_sentence(item) for item in rest))
         elif section:
-            cited = ", ".join(f"[{item['n']}]" for item in section if item in answer)
+            cited = ", ".join(f"[{n}]" for n in dict.fromkeys(item["n"] for item in section if item in answer))
             parts.append(f"The answer above covers this {cited}.")
         else:
             parts.append("None of the sources read answers this directly; it remains an open question.")

@@ -35,9 +35,10 @@ SYSTEM_PROMPTS = {
     ),
     "draft": (
         "You write a research report in Markdown from numbered evidence only. Cite every claim with the evidence "
-        "number in square brackets, like [3], using only the numbers given. Start with a short introduction, then "
-        "one section per sub-question under a '## ' heading naming it. Do not add a list of sources or references. "
-        "If a scope is given, state it in the introduction. Reply with a JSON object: {{\"markdown\": \"...\"}}."
+        "number in square brackets, like [3], using only the numbers given. Open with a direct answer to the "
+        "question in two to four sentences, each citing its evidence; then one section per sub-question under a "
+        "'## ' heading naming it; show code evidence as fenced code. Do not add a list of sources or references. "
+        "If a scope is given, state it after the answer. Reply with a JSON object: {{\"markdown\": \"...\"}}."
     ),
 }
 
@@ -65,6 +66,8 @@ def _draft_messages(payload: dict[str, Any]) -> str:
     for item in payload["evidence"]:
         origin = f"[{item['n']}] for sub-question {item.get('subquestion_index')}: {item.get('title') or ''}"
         lines.append(frame(item["quote"], origin=origin, limit=4000))
+        if isinstance(item.get("code"), str) and item["code"].strip():
+            lines.append(frame(item["code"], origin=f"[{item['n']}] code example", limit=4000))
     return "\n\n".join(lines)
 
 
