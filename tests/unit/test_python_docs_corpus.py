@@ -217,3 +217,12 @@ def test_without_the_documentation_the_pydoc_corpus_answers_and_says_so(settings
 
     assert corpus.describe() == {"corpus": corpus.PYDOC, "label": corpus.CORPUS_LABELS[corpus.PYDOC]}
     assert corpus.search("asyncio task cancel", limit=3)[0]["url"].startswith("corpus://module/")
+
+
+def test_a_malformed_build_wait_is_refused_naming_the_variable(docs_corpus, monkeypatch):
+    from django.core.exceptions import ImproperlyConfigured
+
+    monkeypatch.setenv("LONGHAUL_CORPUS_BUILD_WAIT_SECONDS", "soon")
+
+    with pytest.raises(ImproperlyConfigured, match="LONGHAUL_CORPUS_BUILD_WAIT_SECONDS"):
+        corpus.ensure_index()
