@@ -8,14 +8,15 @@ from datetime import timedelta
 
 import pytest
 import time_machine
-
 from django.db import transaction
 
 from tasks import actions, clock, jobs, leases, liveness, notifications, operations, runner, sweeper
+from tasks.gateway.providers.offline import plan_subquestions
 from tasks.models import Alert, Checkpoint, Operation, Task
 from tasks.statuses import NotificationStatus, OperationStatus, TaskStatus
 from tests.factories import submit_sleep
 from tests.integration.chatting import run_queued
+from tests.integration.test_research import QUESTION as RESEARCH_QUESTION
 from tests.integration.test_research import run_to_end
 from tests.integration.test_research import submit as submit_research
 
@@ -42,7 +43,9 @@ def finish_call(op: Operation) -> bool:
 
 
 def test_a_task_stopped_by_its_model_call_budget_resumes_with_more_and_succeeds(acme, alice):
-    task = run_to_end(submit_research(acme, alice, budget={"max_model_calls": 4}))
+    # The plan and one extract per sub-question fit; the draft does not.
+    calls = 1 + len(plan_subquestions(RESEARCH_QUESTION, 3))
+    task = run_to_end(submit_research(acme, alice, budget={"max_model_calls": calls}))
     assert task.status == S.PARTIAL, (task.status, task.error_message)
     steps_before = task.current_step
     assert Checkpoint.objects.filter(task=task).count() == steps_before, "every checkpoint is a counted step"
