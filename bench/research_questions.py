@@ -190,12 +190,32 @@ QUESTIONS: tuple[Question, ...] = (
     ),
 )
 
+# Written after the ranking's thresholds were tuned on QUESTIONS, and never used to tune them:
+# how the research does on questions it was not fitted to. Reported beside QUESTIONS, not judged.
+HELD_OUT: tuple[Question, ...] = (
+    Question("How do I read a CSV file into a list of dictionaries?", ("library/csv.html",)),
+    Question("What is the difference between a list and a tuple?",
+             ("tutorial/datastructures.html", "library/stdtypes.html", "faq/design.html")),
+    Question("How do I generate a random password with secure random numbers?", ("library/secrets.html",)),
+    Question("What does the with statement do?",
+             ("reference/compound_stmts.html", "glossary.html", "tutorial/inputoutput.html")),
+    Question("How do I measure how long a small piece of code takes to run?", ("library/timeit.html",)),
+    Question("What is a lambda function?",
+             ("tutorial/controlflow.html", "reference/expressions.html", "glossary.html", "faq/programming.html")),
+    Question("How do I count how many times each word appears in a list?", ("library/collections.html",)),
+    Question("How do I create a temporary directory that is removed automatically?", ("library/tempfile.html",)),
+    Question("What is the difference between __str__ and __repr__?", ("reference/datamodel.html",)),
+    Question("How do I wait for several asyncio tasks to finish at once?", ("library/asyncio-task.html",)),
+    Question("How do I walk a directory tree and list every file?", ("library/os.html", "library/pathlib.html")),
+    Question("What does functools.partial do?", ("library/functools.html",)),
+)
+
 
 if __name__ == "__main__":
     root = Path(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_DOCS_ROOT)
-    missing = [(q.text, page) for q in QUESTIONS for page in q.pages if not (root / page).is_file()]
+    missing = [(q.text, page) for q in QUESTIONS + HELD_OUT for page in q.pages if not (root / page).is_file()]
     for text, page in missing:
         print(f"missing: {page} (for {text!r})")
-    pages = sum(len(q.pages) for q in QUESTIONS)
-    print(f"{len(QUESTIONS)} questions, {pages} pages, {len(missing)} missing under {root}")
+    pages = sum(len(q.pages) for q in QUESTIONS + HELD_OUT)
+    print(f"{len(QUESTIONS)} + {len(HELD_OUT)} held-out questions, {pages} pages, {len(missing)} missing under {root}")
     sys.exit(1 if missing else 0)
