@@ -679,6 +679,10 @@ async def _serve_http(server: MCPServer, port: int) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
+    # Listening before saying so: uvicorn listens only once its startup is done, and a client that
+    # connected in between was refused (a ConnectError seen once in CI). Connections now wait in
+    # the backlog until it accepts them.
+    sock.listen(128)
     print(f"LISTENING http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)
     config = uvicorn.Config(app, log_level="warning", lifespan="on")
     await uvicorn.Server(config).serve(sockets=[sock])
