@@ -22,6 +22,7 @@ from tasks.context import StepContext
 from tasks.drivers import Continue, Finish, OpRequest, Outcome, PartialResult, Pins
 from tasks.errors import BudgetExhausted, InvalidInput, PermanentError
 from tasks.events import NewEvent
+from tasks.gateway.providers.offline import markdown_text
 
 SCHEMA_VERSION = 1
 MAX_QUESTION = 2000
@@ -33,8 +34,7 @@ MAX_CODE_CHARS = 2000
 MAX_SEARCH_ROUNDS = 3
 SOURCE_TEXT_LIMIT = 12_000
 QUOTES_PER_SUBQUESTION = 4
-STOPWORDS = frozenset("a an and are as at be by does do for from how in is it of on or the to what when which why "
-                      "with work works".split())
+STOPWORDS = frozenset(["a", "an", "and", "are", "as", "at", "be", "by", "does", "do", "for", "from", "how", "in", "is", "it", "of", "on", "or", "the", "to", "what", "when", "which", "why", "with", "work", "works"])
 
 
 def _source_max_age() -> timedelta:
@@ -368,7 +368,7 @@ def _result(state: dict, body: str, scope: str) -> dict[str, Any]:
                for s in state["sources"] if s["n"] in cited]
     lines = []
     for s in sources:
-        title = markdown_label(s["title"])
+        title = markdown_text(s["title"])  # safe as a link label
         local = source_link(state["task"], s["n"]) if state.get("task") and s["url"].startswith("corpus://") else ""
         public = s["origin_url"] or (s["url"] if s["url"].startswith(("http://", "https://")) else "")
         entry = f"[{s['n']}] [{title}]({local})" if local else f"[{s['n']}] {title}"
@@ -384,7 +384,3 @@ def _result(state: dict, body: str, scope: str) -> dict[str, Any]:
         "usage": state["usage"],
     }
 
-
-def markdown_label(title: str) -> str:
-    """A title safe as a Markdown link label and on one line."""
-    return re.sub(r"([\\`*_\[\]<>#|])", r"\\\1", " ".join(title.split()))

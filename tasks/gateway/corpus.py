@@ -243,6 +243,7 @@ def reflow(text: str) -> str:
 # --- The index ------------------------------------------------------------------
 
 DOCS_PREFIX = "corpus://docs/"
+MODULE_PREFIX = "corpus://module/"  # pydoc's module documents (docstrings.py)
 PYTHON_DOCS, PYDOC = "python-docs", "pydoc"
 # Which corpus answered, as the page and the report say it.
 CORPUS_LABELS = {
@@ -267,6 +268,7 @@ _ready: set[str] = set()
 _builds: dict[str, threading.Thread] = {}
 _build_errors: dict[str, tuple[float, BaseException]] = {}
 REBUILD_AFTER_S = 300.0
+STALE_BUILD_S = 3600.0  # a build takes seconds; a temporary file this old has no writer
 
 
 class CorpusError(Exception):
@@ -337,7 +339,7 @@ def _pydoc_documents() -> Iterator[Document]:
     seen_bodies: set[str] = set()
     for url, title, body in docstrings.documents():
         # Future.cancelled and Task.cancelled share one docstring: the second copy adds nothing.
-        content = body.split("\n\n", 1)[-1] if url.startswith(docstrings.MODULE_PREFIX) else body
+        content = body.split("\n\n", 1)[-1] if url.startswith(MODULE_PREFIX) else body
         if content in seen_bodies:
             continue
         seen_bodies.add(content)
@@ -371,6 +373,10 @@ def _is_current(path: Path) -> bool:
 def build(path: Path) -> None:
     """Build the index into a temporary file beside `path`, then rename it into place atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    # A process that died while building left its temporary file: remove those no build still writes.
+    for stale in path.parent.glob(f"{path.name}.*.tmp"):
+        if time.time() - stale.stat().st_mtime > STALE_BUILD_S:
+            stale.unlink(missing_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
     stamp = _stamp()
@@ -529,6 +535,7 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
     db = _connect()
     try:
         compounds = _compounds(db, terms)
+        modules = _modules_named(db, query)
         weights = ", ".join(str(w) for w in FIELD_WEIGHTS)
         rows = db.execute(
             f"""
@@ -561,7 +568,6 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
         db.close()
     weight = sum(idf.values()) or 1.0
     names = [t for t in terms if "_" in t]
-    modules = _modules_named(query)
     how_to = HOW_TO.match(query) is not None
     kept: list[_Candidate] = []
     for c in candidates:
@@ -605,25 +611,21 @@ def search(query: str, *, limit: int = 10) -> list[dict[str, Any]]:
     return results
 
 
-def _modules_named(query: str) -> set[str]:
+def _modules_named(db: sqlite3.Connection, query: str) -> set[str]:
     """The documented modules a query names: dotted names' modules (threading.RLock) and bare module names (json)."""
     found: set[str] = set()
-    tokens = [(m.group(), query[m.end():].lstrip()) for m in re.finditer(r"[A-Za-z_][\w.]*\w", query)]
-    db = _connect()
-    try:
-        for token, rest in tokens:
-            following = _WORD.match(rest.lower())
-            if "." not in token and following and following.group() not in STOPWORDS | QUESTION_FILLER:
-                continue  # a word inside a phrase ("local time zone") is English, not the module
-            parts = token.lower().split(".")
-            for end in range(len(parts), 0, -1):
-                module = ".".join(parts[:end])
-                if db.execute("SELECT 1 FROM documents WHERE url = ?",
-                              (f"{DOCS_PREFIX}library/{module}.html#module-{module}",)).fetchone():
-                    found.add(module)
-                    break
-    finally:
-        db.close()
+    for match in re.finditer(r"[A-Za-z_][\w.]*\w", query):
+        token = match.group()
+        following = _WORD.match(query[match.end():].lstrip().lower())
+        if "." not in token and following and following.group() not in STOPWORDS | QUESTION_FILLER:
+            continue  # a word inside a phrase ("local time zone") is English, not the module
+        parts = token.lower().split(".")
+        for end in range(len(parts), 0, -1):
+            module = ".".join(parts[:end])
+            if db.execute("SELECT 1 FROM documents WHERE url = ?",
+                          (f"{DOCS_PREFIX}library/{module}.html#module-{module}",)).fetchone():
+                found.add(module)
+                break
     return found
 
 
@@ -689,17 +691,13 @@ def names_a_document(words: str) -> str | None:
             (word, word + "s", _singular(word), _like(word) + " \u2014 %", "%." + _like(word)))]
         if any("glossary.html#term-" in url for url in rows):
             return "term"
-        if any("#module-" in url or url.startswith(docstrings_module_prefix()) for url in rows):
+        if any("#module-" in url or url.startswith(MODULE_PREFIX) for url in rows):
             return "module"
         if any(url.split("#", 1)[1].count(".") or "." in word for url in rows if "#" in url):
             return "object"
         return "title" if rows else None
     finally:
         db.close()
-
-
-def docstrings_module_prefix() -> str:
-    return "corpus://module/"
 
 
 def documented_names(question: str, *, limit: int = 2, floor: float = 0.7) -> list[str]:

@@ -12,10 +12,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from tasks.gateway.corpus import _UNDERLINE, reflow
+from tasks.gateway.corpus import _UNDERLINE, MODULE_PREFIX, reflow
 
 TOPIC_PREFIX = "corpus://topic/"
-MODULE_PREFIX = "corpus://module/"
 
 
 # Packages before their submodules, so a re-exported object is named by its public path

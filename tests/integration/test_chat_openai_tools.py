@@ -29,12 +29,12 @@ import pytest
 from rest_framework.test import APIClient
 
 from chat import agent
-from chat.models import Message, Proposal, Run, Thread
-from chat.runs import start_run
+from chat.models import Message, Proposal, Thread
 from tasks.models import Task
 from tasks.statuses import TERMINAL, TaskStatus
 from tests.fakes.openai_server import FakeOpenAI, Reply, Status, serving_as_the_model
 from tests.integration.chatting import run_queued
+from tests.integration.test_proposals import chat
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -71,16 +71,6 @@ def call(call_id: str, name: str, arguments: dict[str, Any]) -> dict[str, Any]:
 def calling(*calls: dict[str, Any]) -> Reply:
     """A completion that calls tools (no text; the fake says finish_reason "tool_calls")."""
     return Reply(content=None, tool_calls=list(calls))
-
-
-def chat(model: FakeOpenAI, thread: Thread, text: str, *replies: Reply) -> Run:
-    """One user turn answered by the scripted model, run in-process as a chat worker would."""
-    model.script(*replies)
-    run, _ = start_run(thread, kind=Run.Kind.CHAT, user_text=text, hidden=False, key=None)
-    run_queued()
-    run.refresh_from_db()
-    assert run.status == Run.Status.SUCCEEDED, run.error
-    return run
 
 
 def offered_tools(request: dict[str, Any]) -> set[str]:

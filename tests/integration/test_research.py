@@ -10,7 +10,6 @@ import time_machine
 from django.utils.html import escape
 
 from tasks import actions, clock, jobs, leases, operations
-from tasks.drivers.research import markdown_label
 from tasks.gateway.providers.offline import markdown_text, plan_subquestions
 from tasks.models import Membership, Operation, Task, Tenant
 from tasks.statuses import OperationStatus, TaskStatus
@@ -110,7 +109,7 @@ def test_the_report_answers_first_and_links_each_source_to_its_section_here_and_
     assert not any("global-statement" in s["url"] or "setdlopenflags" in s["url"] for s in sources.values())
     assert "*Read offline from the Python 3.11 documentation (python3.11-doc).*" in report
     for n, source in sources.items():
-        label = markdown_label(source["title"])
+        label = markdown_text(source["title"])
         link = f"[{n}] [{label}](/tasks/{task.public_id}/sources/{n}/) — {source['origin_url']}"
         assert link in report, link
         assert source["origin_url"].startswith("https://docs.python.org/3.11/")
