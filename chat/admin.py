@@ -12,8 +12,8 @@ from tasks.admin.scoping import OperatorTenantFilter, ReadOnlyAdmin
 @admin.register(Thread)
 class ThreadAdmin(ReadOnlyAdmin):
     # Read-only, title included: a thread and its title are the user's words, not the operator's.
-    list_display = ("__str__", "tenant", "owner", "deleted", "created_at", "updated_at")
-    list_filter = (("tenant", OperatorTenantFilter), "deleted")
+    list_display = ("__str__", "tenant", "owner", "created_at", "updated_at")
+    list_filter = (("tenant", OperatorTenantFilter),)
     list_select_related = ("tenant", "owner")
     search_fields = ("title",)
     ordering = ("-updated_at",)

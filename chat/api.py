@@ -10,7 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from chat import proposals, runs
+from chat import deletion, proposals, runs
 from chat.models import Message, Proposal, Run, Thread
 from chat.serializers import (
     DecisionSerializer,
@@ -49,7 +49,7 @@ PHASES = ("admitted", "planning", "searching", "source_read", "evidence_added", 
 
 
 def owned_threads(request: Request) -> QuerySet[Thread]:
-    return Thread.objects.filter(tenant=request_tenant(request), owner=request.user, deleted=False)
+    return Thread.objects.filter(tenant=request_tenant(request), owner=request.user)
 
 
 def get_thread(request: Request, thread_id: str) -> Thread:
@@ -105,11 +105,11 @@ class ThreadDetail(APIView):
         thread.save(update_fields=["title", "updated_at"])
         return Response(ThreadSerializer(thread).data)
 
-    @extend_schema(parameters=[THREAD_ID], responses={204: None, **READ_ERRORS})
+    @extend_schema(parameters=[THREAD_ID], responses={204: None, **READ_ERRORS},
+                   description="Delete the thread with its messages, runs and tasks. Its active tasks are "
+                               "cancelled first; they disappear at once and are deleted when they end.")
     def delete(self, request: Request, thread_id: str) -> Response:
-        thread = get_thread(request, thread_id)
-        # Marked, not removed: its tasks keep running, and are no longer told in chat.
-        Thread.objects.filter(pk=thread.pk).update(deleted=True)
+        deletion.delete_thread(get_thread(request, thread_id), user=request.user)
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

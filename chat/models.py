@@ -17,7 +17,6 @@ class Thread(models.Model):
     tenant = models.ForeignKey("tasks.Tenant", on_delete=models.CASCADE, related_name="threads")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="threads")
     title = models.CharField(max_length=200, blank=True)
-    deleted = models.BooleanField(default=False)
     message_seq = models.PositiveIntegerField(default=0, help_text="The seq of the thread's newest message.")
     item_seq = models.PositiveIntegerField(default=0, help_text="The seq of the thread stream's newest item.")
     item_marks = models.JSONField(default=dict, blank=True,

@@ -17,7 +17,7 @@ INSTRUCTION = ("A background task the user started in this conversation has news
 def deliver(delivery: Delivery) -> int:
     """Start the notification run (or find the one this key already started); returns its id."""
     thread = Thread.objects.filter(pk=delivery.thread_id).first()
-    if thread is None or thread.deleted:
+    if thread is None:
         raise ThreadGone()
     text = f"{INSTRUCTION}\n\n{frame(json.dumps(delivery.snapshot, sort_keys=True), origin='task event')}"
     try:

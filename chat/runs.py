@@ -38,8 +38,8 @@ def start_run(thread: Thread, *, kind: str, user_text: str, hidden: bool, key: s
     now = clock.now()
     try:
         with transaction.atomic():
-            fresh = Thread.objects.select_for_update().get(pk=thread.pk)
-            if fresh.deleted:
+            fresh = Thread.objects.select_for_update().filter(pk=thread.pk).first()
+            if fresh is None:
                 raise ThreadGoneError()
             if Run.objects.filter(thread=fresh, status__in=ACTIVE).exists():
                 raise Conflict("the assistant is still answering in this thread", code="thread_busy")

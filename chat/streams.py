@@ -95,7 +95,7 @@ class ThreadStream:
         tenant = tenant_for(user, slug=tenant_slug)
         if tenant is None:
             return None
-        row = Thread.objects.filter(public_id=public_id, tenant=tenant, owner=user, deleted=False).first()
+        row = Thread.objects.filter(public_id=public_id, tenant=tenant, owner=user).first()
         return None if row is None else cls(row.pk, row.public_id)
 
     @property

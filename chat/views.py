@@ -17,7 +17,7 @@ from tasks.tenancy import visible_tasks
 
 
 def _threads(request: HttpRequest):
-    return Thread.objects.filter(tenant=request.tenant, owner=request.user, deleted=False).order_by("-updated_at")
+    return Thread.objects.filter(tenant=request.tenant, owner=request.user).order_by("-updated_at")
 
 
 @login_required

@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from tasks import clock, kicks, notifications, scheduling, stopping, transitions
+from tasks import clock, kicks, notifications, retention, scheduling, stopping, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drivers import get_driver
@@ -134,29 +134,10 @@ def request_cancel(task: Task, *, user: Any, reason: str = "", keep_results: boo
         if fresh.cancel_requested_at is None:
             transitions.mark_cancel_requested(fresh, now=now, by_id=_user_id(user), reason=reason,
                                               keep_results=keep_results)
-            _audit(fresh, user, "task.cancel", now, {"reason": reason[:200], "keep_results": keep_results})
+            audit(fresh, user, "task.cancel", now, {"reason": reason[:200], "keep_results": keep_results})
         _act_on_stop_request(fresh, now=now)
     fresh.refresh_from_db()  # a task queued to cancel its remote work may have been admitted meanwhile
     return fresh
-
-
-# A task may be deleted once nothing will run it again without its owner: ended, or stopped partial.
-DELETABLE = TERMINAL | {TaskStatus.PARTIAL}
-
-
-def delete_task(task: Task, *, user: Any) -> dict[str, int]:
-    """Delete a task that has ended, with everything derived from it (events, checkpoints, operations,
-    notification runs, webhook deliveries...). The audit entry keeps who, when and how many rows of each
-    class were deleted, never content. Returns those counts."""
-    now = clock.now()
-    with transaction.atomic():
-        fresh = Task.objects.select_for_update().get(pk=task.pk)
-        if fresh.status not in DELETABLE:
-            raise Conflict(f"the task is {fresh.status}: cancel it first, then delete it", code="task_active")
-        _, deleted = fresh.delete()
-        counts = {label.split(".")[-1].lower(): n for label, n in sorted(deleted.items()) if n}
-        _audit(fresh, user, "task.delete", now, {"deleted": counts})
-    return counts
 
 
 def request_pause(task: Task, *, user: Any, reason: str = "") -> Task:
@@ -169,7 +150,7 @@ def request_pause(task: Task, *, user: Any, reason: str = "") -> Task:
             raise Conflict("a partial task is already stopped", code="not_pausable")
         if fresh.pause_requested_at is None:
             transitions.mark_pause_requested(fresh, now=now, by_id=_user_id(user), reason=reason)
-            _audit(fresh, user, "task.pause", now, {"reason": reason[:200]})
+            audit(fresh, user, "task.pause", now, {"reason": reason[:200]})
         _act_on_stop_request(fresh, now=now)
     return fresh
 
@@ -186,7 +167,7 @@ def resume(task: Task, *, user: Any, budget: Any = None) -> Task:
             new_budget = Budget.parse({**fresh.budget, **_require_dict(budget, "budget")}).as_dict()
         deadline = Budget.of(new_budget or fresh.budget).queue_deadline(now)
         transitions.requeue(fresh, now=now, queue_deadline_at=deadline, budget=new_budget, reason="resumed")
-        _audit(fresh, user, "task.resume", now, {"budget": new_budget} if new_budget else {})
+        audit(fresh, user, "task.resume", now, {"budget": new_budget} if new_budget else {})
     fresh.refresh_from_db()
     return fresh
 
@@ -211,7 +192,7 @@ def answer(task: Task, *, user: Any, text: str = "", data: dict[str, Any] | None
             raise Conflict(f"the task is {fresh.status}, not waiting for an answer", code="not_waiting")
         response = _checked_answer(fresh, text=text, data=data)
         transitions.answer(fresh, now=now, text=text if data is None else _answer_words(response), data=response)
-        _audit(fresh, user, "task.answer", now, {"action": response["action"]} if response else {})
+        audit(fresh, user, "task.answer", now, {"action": response["action"]} if response else {})
     fresh.refresh_from_db()
     return fresh
 
@@ -252,7 +233,7 @@ def requeue_failed(task: Task, *, user: Any) -> Task:
         deadline = Budget.of(fresh.budget).queue_deadline(now)
         if not transitions.requeue_failed(fresh, now=now, queue_deadline_at=deadline):
             raise Conflict("the task changed while it was being requeued", code="changed")
-        _audit(fresh, user, "task.requeue", now, previous)
+        audit(fresh, user, "task.requeue", now, previous)
     fresh.refresh_from_db()
     return fresh
 
@@ -270,7 +251,7 @@ def release_lease(task: Task, *, user: Any) -> Task:
                 "lease_expires_at": fresh.lease_expires_at.isoformat() if fresh.lease_expires_at else None}
         if not transitions.release_lease(fresh, now=now):
             raise Conflict("the task changed while its lease was being released", code="changed")
-        _audit(fresh, user, "task.release_lease", now, held)
+        audit(fresh, user, "task.release_lease", now, held)
         kicks.kick("advance", fresh.pk)
     return fresh
 
@@ -281,7 +262,7 @@ def retry_notification(task: Task, *, user: Any) -> None:
     with transaction.atomic():
         if not notifications.retry_dead_letter(task, now=now):
             raise Conflict("the task's notification is not dead-lettered", code="not_dead_lettered")
-        _audit(task, user, "task.notification_retry", now,
+        audit(task, user, "task.notification_retry", now,
                {"event_version": task.event_version, "error": task.notification_error[:200]})
 
 
@@ -293,7 +274,7 @@ def acknowledge_alert(alert: Alert, *, user: Any) -> None:
             acknowledged_at=now, acknowledged_by=user)
         if not acknowledged:
             raise Conflict("the alert was already acknowledged", code="already_acknowledged")
-        _audit(alert, user, "alert.acknowledge", now, {"kind": alert.kind})
+        audit(alert, user, "alert.acknowledge", now, {"kind": alert.kind})
 
 
 def quota_ceilings() -> dict[str, tuple[int, str]]:
@@ -323,9 +304,20 @@ def set_quotas(tenant: Tenant, *, user: Any, quotas: dict[str, int]) -> None:
         # Locked so that the audit's old values are the ones this update replaced, even when two admins edit.
         before = Tenant.objects.select_for_update().values(*quotas).get(pk=tenant.pk)
         Tenant.objects.filter(pk=tenant.pk).update(**quotas)
-        _audit(tenant, user, "tenant.quotas", now,
+        audit(tenant, user, "tenant.quotas", now,
                {name: [before[name], value] for name, value in quotas.items() if before[name] != value})
         scheduling.admit(now=now)  # not a transition: a raised max_running frees slots by itself
+
+
+def set_retention(tenant: Tenant, *, user: Any, overrides: dict[str, int]) -> None:
+    """Replace a tenant's retention overrides (tasks/retention.py); the classes left out follow the system's."""
+    cleaned = retention.check_overrides(overrides)
+    now = clock.now()
+    with transaction.atomic():
+        before = Tenant.objects.select_for_update().values_list("retention", flat=True).get(pk=tenant.pk)
+        Tenant.objects.filter(pk=tenant.pk).update(retention=cleaned)
+        tenant.retention = cleaned
+        audit(tenant, user, "tenant.retention", now, {"before": before, "after": cleaned})
 
 
 def _act_on_stop_request(task: Task, *, now) -> None:
@@ -349,13 +341,14 @@ def _user_id(user: Any) -> int | None:
     return getattr(user, "pk", None)
 
 
-def _audit(target: Task | Alert | Tenant, user: Any, action: str, now: datetime, details: dict[str, Any]) -> None:
-    """The one audit trail of every action: who did what to which row, and when."""
-    if isinstance(target, Task):
-        tenant_id, target_type, target_id = target.tenant_id, "task", str(target.public_id)
-    elif isinstance(target, Alert):
+def audit(target: Any, user: Any, action: str, now: datetime, details: dict[str, Any]) -> None:
+    """The one audit trail of every action: who did what to which row, and when. The target is a task,
+    an alert, a tenant, or another app's row with a tenant and a public id (a chat thread)."""
+    if isinstance(target, Alert):
         tenant_id, target_type, target_id = target.tenant_id, "alert", str(target.pk)
-    else:
+    elif isinstance(target, Tenant):
         tenant_id, target_type, target_id = target.pk, "tenant", target.slug
+    else:
+        tenant_id, target_type, target_id = target.tenant_id, target._meta.model_name, str(target.public_id)
     AuditEntry.objects.create(tenant_id=tenant_id, actor_id=_user_id(user), action=action, target_type=target_type,
                               target_id=target_id, details=details, at=now)

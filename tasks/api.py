@@ -25,7 +25,7 @@ from rest_framework.views import APIView
 from project.api_errors import ApiError, get_by_public_id
 from project.env import envbool
 from project.throttles import AnswerThrottle, SubmitThrottle
-from tasks import actions, tenancy
+from tasks import actions, deletion, tenancy
 from tasks.gateway import configured
 from tasks.mcp import config as mcp_config
 from tasks.models import Task, Tenant
@@ -195,7 +195,7 @@ class TaskListCreate(generics.ListAPIView):
         thread_id = None
         if data["thread"] is not None:
             thread = apps.get_model("chat", "Thread").objects.filter(
-                public_id=data["thread"], tenant=tenant, owner=request.user, deleted=False).first()
+                public_id=data["thread"], tenant=tenant, owner=request.user).first()
             if thread is None:
                 raise ApiError("no such thread", code="invalid_input", field="thread")
             thread_id = thread.pk
@@ -221,7 +221,7 @@ class TaskDetail(APIView):
                    description="Delete a task that has ended (or stopped partial) with everything derived from "
                                "it; 409 `task_active` while it may still run: cancel it first.")
     def delete(self, request: Request, task_id: str) -> Response:
-        actions.delete_task(get_visible_task(request, task_id), user=request.user)
+        deletion.delete_task(get_visible_task(request, task_id), user=request.user)
         return Response(status=204)
 
 

@@ -23,6 +23,10 @@ class Tenant(models.Model):
     max_running = models.PositiveIntegerField(default=4, help_text="Tasks holding a running slot at once.")
     max_queued = models.PositiveIntegerField(default=1000, help_text="Tasks waiting for admission at once.")
     weight = models.PositiveIntegerField(default=1, help_text="Share of running slots relative to other tenants.")
+    retention = models.JSONField(
+        default=dict, blank=True,
+        help_text="Per data class, the days this tenant's data is kept instead of the system's "
+                  "LONGHAUL_RETENTION_<CLASS>_DAYS (0: for ever); set in the admin, checked by tasks/retention.py.")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -93,6 +97,13 @@ class Task(models.Model):
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
     pause_reason = models.CharField(max_length=500, blank=True)
+    delete_requested_at = models.DateTimeField(
+        null=True, blank=True,
+        help_text="Its owner deleted it (or its thread) while it could still run: hidden at once, cancelled, and "
+                  "deleted by the sweeper once it has ended (tasks/deletion.py).")
+    delete_requested_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
     yield_requested_at = models.DateTimeField(
         null=True, blank=True,
         help_text="Admission asked this running task to give its slot back at its next step boundary: another "
@@ -159,6 +170,8 @@ class Task(models.Model):
             # retention.purge: ended tasks in the order they ended.
             models.Index(fields=["finished_at", "id"], name="task_ended_idx",
                          condition=Q(status__in=sorted(TERMINAL))),
+            # deletion.finish_pending: tasks deleted while they could still run, waiting to end.
+            models.Index(fields=["id"], name="task_delete_pending_idx", condition=Q(delete_requested_at__isnull=False)),
             # leases.claim and sweeper.kick_due: "claimable and due", ordered by due time.
             models.Index(fields=["next_run_at"], name="task_due_idx", condition=Q(status__in=sorted(CLAIMABLE))),
             # scheduling.admit: the tenant's queued tasks in priority and age order.
@@ -350,14 +363,24 @@ class SleepEffect(models.Model):
 class RetentionMark(models.Model):
     """How far the purge of one data class has gone (tasks/retention.py), and how much it purged."""
 
-    data_class = models.CharField(max_length=32, unique=True)
+    data_class = models.CharField(max_length=32)
+    tenant = models.ForeignKey(Tenant, null=True, blank=True, on_delete=models.CASCADE, related_name="+",
+                               help_text="The tenant whose override this pass follows; empty: everyone else.")
     up_to = models.DateTimeField(null=True, blank=True, help_text="The moment of the last row purged.")
     up_to_id = models.BigIntegerField(default=0, help_text="The id of the last row purged, at that moment.")
     purged = models.PositiveBigIntegerField(default=0, help_text="Rows purged (or emptied) so far.")
     last_run_at = models.DateTimeField(null=True, blank=True)
 
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["data_class"], condition=Q(tenant__isnull=True),
+                                    name="retention_mark_system_unique"),
+            models.UniqueConstraint(fields=["data_class", "tenant"], condition=Q(tenant__isnull=False),
+                                    name="retention_mark_tenant_unique"),
+        ]
+
     def __str__(self) -> str:
-        return f"{self.data_class}: {self.purged} purged"
+        return f"{self.data_class}{f' ({self.tenant})' if self.tenant_id else ''}: {self.purged} purged"
 
 
 class Pool(models.Model):

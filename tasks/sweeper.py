@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from tasks import kicks, liveness, notifications, operations, retention, transitions
+from tasks import deletion, kicks, liveness, notifications, operations, retention, transitions
 from tasks.events import NewEvent, append
 from tasks.alerts import raise_alert
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
@@ -37,6 +37,7 @@ def run_once(*, now: datetime) -> dict[str, int]:
         "stalled": flag_stalled,
         "idempotency_expired": forget_expired_keys,
         "retention_purged": lambda at: sum(retention.purge(at).values()),
+        "deletions_finished": lambda at: deletion.finish_pending(at, batch=settings.LONGHAUL_SWEEP_BATCH),
     }
     counts = {}
     for name, part in parts.items():

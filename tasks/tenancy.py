@@ -27,7 +27,7 @@ def tenant_for(user: Any, *, slug: str | None = None) -> Tenant | None:
 def visible_tasks(user: Any, tenant: Tenant) -> QuerySet[Task]:
     """Tasks this user may see in this tenant: their own, or all of the tenant's for a tenant
     admin. The API and the streams answer 404 for anything else: knowing an id grants nothing."""
-    tasks = Task.objects.filter(tenant=tenant)
+    tasks = Task.objects.filter(tenant=tenant, delete_requested_at__isnull=True)  # deleted, ending (deletion.py)
     is_admin = Membership.objects.filter(user=user, tenant=tenant, role=Membership.Role.ADMIN).exists()
     return tasks if is_admin else tasks.filter(owner=user)
 

@@ -88,6 +88,7 @@ const tasks = new TaskPanel({
   panel,
   badge: document.getElementById("task-count"),
   live: document.getElementById("task-live"),
+  deleteDialog: document.getElementById("delete-task-dialog"),
   onTaskNews: (taskId) => conversation.expectNotice(taskId),
   findReport: (taskId) => conversation.findReport(taskId),
   onShowReport: (message) => {

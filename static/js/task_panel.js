@@ -55,6 +55,8 @@ const KIND_WORDS = { research: gettext("Research"), sleep: gettext("Test task"),
 const NEWSWORTHY = new Set(["succeeded", "failed", "cancelled", "partial", "waiting_input"]);
 const PAUSABLE = new Set(["queued", "running", "waiting_tool", "waiting_input", "retry_wait"]);
 const RESUMABLE = new Set(["paused", "partial"]);
+// What DELETE /api/tasks/{id} takes: a task nothing will run again without its owner (tasks/deletion.py).
+const DELETABLE = new Set(["succeeded", "failed", "cancelled", "partial"]);
 const MAX_ERROR_BACKOFF_MS = 60_000;
 
 function phaseWords(task) {
@@ -79,9 +81,10 @@ export class TaskPanel {
    * `findReport(taskId)` / `onShowReport(element)`: the report message in the thread.
    * `onTaskUpdate(task)`: each row as it is listed (the thread's question forms follow them).
    */
-  constructor({ panel, badge, live, onTaskNews = () => {}, findReport = () => null, onShowReport = () => {},
-                onTaskUpdate = () => {} }) {
+  constructor({ panel, badge, live, deleteDialog, onTaskNews = () => {}, findReport = () => null,
+                onShowReport = () => {}, onTaskUpdate = () => {} }) {
     this.panel = panel;
+    this.deleteDialog = deleteDialog;
     this.badge = badge;
     this.live = live;
     this.activeList = panel.querySelector("#active-tasks");
@@ -318,6 +321,10 @@ export class TaskPanel {
     resume.hidden = !RESUMABLE.has(task.status) || cancelling;
     resume.setAttribute("aria-label", interpolate(gettext("Resume “%(name)s”"), { name: task.name }));
 
+    const remove = row.querySelector('[data-action="delete"]');
+    remove.hidden = !DELETABLE.has(task.status);
+    remove.setAttribute("aria-label", interpolate(gettext("Delete “%(name)s”"), { name: task.name }));
+
     if (details) details.update(task);
   }
 
@@ -367,6 +374,40 @@ export class TaskPanel {
     if (action === "cancel") this.act(row, "cancel", this.cancelling);
     if (action === "pause") this.act(row, "pause", this.pausing);
     if (action === "resume") this.act(row, "resume", null);
+    if (action === "delete") this.confirmDelete(row);
+  }
+
+  /** Delete asks first; the row goes once the server has deleted the task. */
+  confirmDelete(row) {
+    const id = row.dataset.taskId;
+    const name = this.tasks.get(id).name;
+    const dialog = this.deleteDialog;
+    dialog.querySelector("[data-task-name]").textContent = name;
+    dialog.returnValue = "";
+    dialog.addEventListener("close", async () => {
+      if (dialog.returnValue !== "delete") return;
+      const errorLine = row.querySelector(".task-row-error");
+      errorLine.hidden = true;
+      try {
+        await api(`/api/tasks/${id}`, { method: "DELETE" });
+      } catch (error) {
+        if (error.status !== 404) { // already gone is what we wanted
+          errorLine.textContent = interpolate(gettext("Couldn't delete: %(error)s"), { error: error.message });
+          errorLine.hidden = false;
+          return;
+        }
+      }
+      const next = row.nextElementSibling || row.previousElementSibling;
+      this.details.get(id)?.close();
+      this.details.delete(id);
+      row.remove();
+      this.rows.delete(id);
+      this.tasks.delete(id);
+      this.announce(interpolate(gettext("%(name)s: %(news)s"), { name, news: gettext("Deleted") }));
+      next?.querySelector(".task-toggle")?.focus();
+      this.refresh({ force: true });
+    }, { once: true });
+    dialog.showModal();
   }
 
   /** Cancel, pause or resume: the row says so at once, the server catches up. */

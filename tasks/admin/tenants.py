@@ -6,13 +6,14 @@ from collections.abc import Iterable
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db.models import Count, IntegerField, OuterRef, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest
+from django.template.response import TemplateResponse
 from django.utils.safestring import SafeString
 
-from tasks import actions
+from tasks import actions, deletion, retention
 from tasks.admin.display import admin_url, link
 from tasks.admin.scoping import TenantScopedAdmin, operator_tenant_ids
 from tasks.errors import InvalidInput
@@ -28,8 +29,24 @@ def tasks_of_tenant(statuses: Iterable[str]) -> Coalesce:
     return Coalesce(Subquery(counted, output_field=IntegerField()), 0)
 
 
-class QuotaForm(forms.ModelForm):
-    """The quotas, held to the system's ceilings (tasks.actions.check_quota) before anything is saved."""
+def retention_field(data_class: str) -> str:
+    return f"retention_{data_class}"
+
+
+class TenantForm(forms.ModelForm):
+    """The quotas, held to the system's ceilings (tasks.actions.check_quota), and the retention overrides,
+    held to the same range and audit rule as the settings (tasks.retention.check_overrides), before
+    anything is saved. An empty retention field follows the system's days."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        kept = self.instance.retention if self.instance.pk else {}
+        for data_class in retention.CLASSES:
+            field = self.fields[retention_field(data_class)]
+            field.initial = kept.get(data_class)
+            system = retention.days(data_class)
+            field.help_text = (f"Empty: the system's {f'{system} days' if system else 'for ever'}; "
+                               "0 keeps them for ever.")
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean()
@@ -39,16 +56,36 @@ class QuotaForm(forms.ModelForm):
                     actions.check_quota(name, cleaned[name])
                 except InvalidInput as exc:
                     self.add_error(name, str(exc))
+        try:
+            cleaned["retention"] = retention.check_overrides(self.retention_overrides(cleaned))
+        except InvalidInput as exc:
+            self.add_error(retention_field(exc.field) if exc.field in retention.CLASSES else None, str(exc))
         return cleaned
+
+    def retention_overrides(self, cleaned: dict[str, Any]) -> dict[str, Any]:
+        return {data_class: cleaned[retention_field(data_class)] for data_class in retention.CLASSES
+                if cleaned.get(retention_field(data_class)) is not None}
+
+
+# Declared on the class, so the admin's fieldsets may name them.
+for _data_class in retention.CLASSES:
+    TenantForm.base_fields[retention_field(_data_class)] = TenantForm.declared_fields[retention_field(_data_class)] = \
+        forms.IntegerField(required=False, min_value=0, label=f"{_data_class.replace('_', ' ')} (days)")
 
 
 @admin.register(Tenant)
 class TenantAdmin(TenantScopedAdmin):
-    form = QuotaForm
+    form = TenantForm
     list_display = ("slug", "name", "max_running", "max_queued", "weight", "running", "queued", "failed")
-    fields = ("slug", "name", "created_at", *actions.QUOTA_FIELDS)
+    fieldsets = (
+        (None, {"fields": ("slug", "name", "created_at")}),
+        ("Quotas", {"fields": actions.QUOTA_FIELDS}),
+        ("Retention", {"fields": tuple(retention_field(c) for c in retention.CLASSES),
+                       "description": "How long this tenant's data is kept, per class, instead of the system's."}),
+    )
     readonly_fields = ("slug", "name", "created_at")
     search_fields = ("slug", "name")
+    actions = ("erase_data",)
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         ids = operator_tenant_ids(request)
@@ -70,6 +107,36 @@ class TenantAdmin(TenantScopedAdmin):
         quotas = {name: getattr(obj, name) for name in actions.QUOTA_FIELDS if name in form.changed_data}
         if quotas:
             actions.set_quotas(obj, user=request.user, quotas=quotas)
+        overrides = form.cleaned_data["retention"]
+        if overrides != Tenant.objects.values_list("retention", flat=True).get(pk=obj.pk):
+            actions.set_retention(obj, user=request.user, overrides=overrides)
+
+    @admin.action(description="Erase the selected tenant's data…")
+    def erase_data(self, request: HttpRequest, queryset: QuerySet) -> TemplateResponse | None:
+        """Two steps: a page saying what will go, then the tenant's slug typed to confirm. Superusers only:
+        it cannot be undone."""
+        if not request.user.is_superuser:
+            messages.error(request, "Only a superuser may erase a tenant's data.")
+            return None
+        if queryset.count() != 1:
+            messages.error(request, "Select one tenant: a tenant's data is erased one tenant at a time.")
+            return None
+        tenant = queryset.get()
+        typed = request.POST.get("confirm_slug")
+        if typed is not None and typed.strip() == tenant.slug:
+            done = deletion.erase_tenant(tenant, user=request.user)
+            counts = ", ".join(f"{n} {name}" for name, n in done["deleted"].items()) or "nothing"
+            later = f"; {done['tasks_pending']} running tasks are cancelled and go when they stop" \
+                if done["tasks_pending"] else ""
+            messages.success(request, f"Erased the data of {tenant.slug}: {counts}{later}.")
+            return None
+        if typed is not None:
+            messages.error(request, f"Nothing was erased: type the slug {tenant.slug} exactly to confirm.")
+        context = {**self.admin_site.each_context(request), "opts": self.model._meta, "tenant": tenant,
+                   "title": f"Erase the data of {tenant.slug}?", "action": "erase_data",
+                   "counts": {"threads": tenant.threads.count(), "tasks": Task.objects.filter(tenant=tenant).count(),
+                              "messages": tenant.threads.aggregate(n=Count("messages"))["n"]}}
+        return TemplateResponse(request, "admin/tasks/tenant/erase_data.html", context)
 
     @admin.display(description="running (slots held)", ordering="running_count")
     def running(self, tenant: Tenant) -> int:

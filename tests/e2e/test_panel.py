@@ -187,6 +187,33 @@ def test_it_pauses_and_resumes_a_running_task(page: Page, server: str, cheap_pas
     expect(row.get_by_role("button", name="Pause “Nightly crawl”")).to_be_visible()
 
 
+def test_an_ended_task_is_deleted_from_the_panel_after_a_confirmation(page: Page, server: str, cheap_passwords):
+    alice = make_user("alice", Tenant.objects.create(slug="acme", name="Acme"))
+    thread = make_thread(alice, "Nightly jobs")
+    running = start_test_task(thread, steps=100, name="Nightly crawl")
+    ended = make_task(thread.tenant, alice, status=TaskStatus.FAILED, thread=thread, name="Old crawl",
+                      finished_at=clock.now())
+    sign_in_with_cookie(page, server, alice)
+    page.goto(f"{server}/t/{thread.public_id}/")
+    page.locator("#panel-toggle").click()
+    row = task_row(page, "Old crawl")
+    expect(task_row(page, "Nightly crawl").get_by_role("button", name="Delete “Nightly crawl”")).to_be_hidden()
+
+    row.get_by_role("button", name="Delete “Old crawl”").click()
+    dialog = page.get_by_role("dialog", name="Delete this task?")
+    expect(dialog).to_contain_text("“Old crawl”")
+    dialog.get_by_role("button", name="Keep it").click()
+    expect(dialog).to_be_hidden()
+    assert Task.objects.filter(pk=ended.pk).exists(), "keeping it changes nothing"
+
+    row.get_by_role("button", name="Delete “Old crawl”").click()
+    dialog.get_by_role("button", name="Delete task").click()
+    expect(row).to_have_count(0)
+    expect(page.locator("#task-live")).to_have_text("Old crawl: Deleted")
+    assert not Task.objects.filter(pk=ended.pk).exists()
+    assert Task.objects.filter(pk=running.pk).exists()
+
+
 def test_it_asks_the_tasks_question_with_an_answer_box_and_shows_a_failure_with_its_error(
         page: Page, server: str, cheap_passwords):
     alice = make_user("alice", Tenant.objects.create(slug="acme", name="Acme"))

@@ -3,11 +3,13 @@ keeps who, when and how many rows of each class, never content (DESIGN §14)."""
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 
 from chat import runs
 from chat.models import Message, Run, Thread
-from tasks import jobs
+from tasks import clock, jobs, sweeper
 from tasks.models import AuditEntry, Checkpoint, IdempotencyRecord, Operation, SleepEffect, Task, TaskEvent
 from tasks.statuses import TERMINAL, TaskStatus
 from tests.factories import make_task, submit_sleep
@@ -80,3 +82,73 @@ def test_another_tenants_task_answers_404_and_stays(acme, alice_api, globex, cha
     response = alice_api.delete(f"/api/tasks/{theirs.public_id}")
     assert response.status_code == 404
     assert Task.objects.filter(pk=theirs.pk).exists()
+
+
+def test_a_thread_goes_with_its_messages_runs_and_tasks_its_running_task_once_cancelled(acme, alice, alice_api):
+    """DELETE /api/threads/{id}: the ended tasks go at once, a parked one is cancelled and goes at once, a
+    running one is asked to cancel, disappears, and is deleted by the sweeper when its worker has ended it."""
+    thread = Thread.objects.create(tenant=acme, owner=alice, title="to forget")
+    ended = run_to_end(submit_sleep(acme, alice, key="thread-ended", thread_id=thread.pk, step_seconds=0))
+    parked = make_task(acme, alice, status=TaskStatus.PAUSED, thread=thread)
+    held = make_task(acme, alice, status=TaskStatus.RUNNING, thread=thread, lease_owner="worker:1",
+                     lease_expires_at=clock.now() + timedelta(minutes=5))
+    run, _ = runs.start_run(thread, kind=Run.Kind.CHAT, user_text="hello", hidden=False, key=None)
+    other_thread = Thread.objects.create(tenant=acme, owner=alice, title="kept")
+    kept = make_task(acme, alice, status=TaskStatus.SUCCEEDED, thread=other_thread)
+
+    response = alice_api.delete(f"/api/threads/{thread.public_id}")
+
+    assert response.status_code == 204, response.content
+    assert not Thread.objects.filter(pk=thread.pk).exists()
+    assert not Message.objects.filter(thread_id=thread.pk).exists() and not Run.objects.filter(pk=run.pk).exists()
+    assert not Task.objects.filter(pk__in=[ended.pk, parked.pk]).exists()
+    held.refresh_from_db()
+    assert held.cancel_requested_at is not None and held.delete_requested_at is not None and held.thread is None
+    assert alice_api.get(f"/api/tasks/{held.public_id}").status_code == 404, "a deleted task is gone at once"
+    assert str(held.public_id) not in str(alice_api.get("/api/tasks").json())
+    assert Task.objects.filter(pk=kept.pk).exists() and Thread.objects.filter(pk=other_thread.pk).exists()
+    audit = AuditEntry.objects.get(action="thread.delete")
+    assert audit.target_id == str(thread.public_id) and audit.actor == alice and audit.tenant == acme
+    assert audit.details["deleted"]["task"] == 2 and audit.details["deleted"]["thread"] == 1
+    assert audit.details["deleted"]["message"] >= 1 and audit.details["tasks_pending"] == 1
+    assert "hello" not in str(audit.details) and "to forget" not in str(audit.details), "counts, never content"
+
+    # The worker reaches its safe point: the task is cancelled, and the next sweep deletes it.
+    assert sweeper.run_once(now=clock.now())["deletions_finished"] == 0, "still running: nothing to delete yet"
+    Task.objects.filter(pk=held.pk).update(lease_owner="", lease_expires_at=None)
+    jobs.advance(held.pk)
+    assert Task.objects.get(pk=held.pk).status == TaskStatus.CANCELLED
+    assert sweeper.run_once(now=clock.now())["deletions_finished"] == 1
+    assert not Task.objects.filter(pk=held.pk).exists()
+    after = AuditEntry.objects.get(action="task.delete", target_id=str(held.public_id))
+    assert after.actor == alice and after.details["after_cancel"] is True
+
+    again = alice_api.delete(f"/api/threads/{thread.public_id}")
+    assert again.status_code == 404
+    assert AuditEntry.objects.filter(action="thread.delete").count() == 1
+
+
+def test_another_tenants_thread_answers_404_and_stays(acme, alice_api, globex, charlie):
+    theirs = Thread.objects.create(tenant=globex, owner=charlie, title="theirs")
+    task = make_task(globex, charlie, status=TaskStatus.RUNNING, thread=theirs)
+    response = alice_api.delete(f"/api/threads/{theirs.public_id}")
+    assert response.status_code == 404
+    assert Thread.objects.filter(pk=theirs.pk).exists()
+    task.refresh_from_db()
+    assert task.cancel_requested_at is None and task.delete_requested_at is None
+    assert not AuditEntry.objects.filter(action="thread.delete").exists()
+
+
+def test_a_running_task_of_a_deleted_thread_has_nobody_left_to_tell(acme, alice, alice_api):
+    """Its outbox settles with the thread: a pending notification would wait for a thread that is gone."""
+    thread = Thread.objects.create(tenant=acme, owner=alice, title="t")
+    held = make_task(acme, alice, status=TaskStatus.RUNNING, thread=thread, lease_owner="worker:1",
+                     lease_expires_at=clock.now() + timedelta(minutes=5), notification_status="pending",
+                     next_notification_at=clock.now(), event_version=2)
+    assert alice_api.delete(f"/api/threads/{thread.public_id}").status_code == 204
+    held.refresh_from_db()
+    assert (held.thread_id, held.notification_status, held.next_notification_at) == (None, "none", None)
+    Task.objects.filter(pk=held.pk).update(lease_owner="", lease_expires_at=None)
+    jobs.advance(held.pk)
+    held.refresh_from_db()
+    assert held.status == TaskStatus.CANCELLED and held.notification_status == "none", "its end tells nobody"

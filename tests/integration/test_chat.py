@@ -39,7 +39,7 @@ def test_it_creates_lists_renames_and_deletes_threads(alice_api):
     assert alice_api.delete(f"/api/threads/{thread_id}").status_code == 204
     assert alice_api.get("/api/threads").json()["results"] == []
     assert alice_api.get(f"/api/threads/{thread_id}").status_code == 404
-    assert Thread.objects.get(public_id=thread_id).deleted, "deleted threads are marked, not removed"
+    assert not Thread.objects.filter(public_id=thread_id).exists(), "a deleted thread is gone, not marked"
 
 
 def test_another_tenants_thread_is_a_404_on_every_verb(alice_api, charlie_api):
@@ -55,7 +55,7 @@ def test_another_tenants_thread_is_a_404_on_every_verb(alice_api, charlie_api):
         assert response.status_code == 404
         assert response.json()["code"] == "not_found"
     assert not Message.objects.exists()
-    assert not Thread.objects.get(public_id=thread_id).deleted
+    assert Thread.objects.filter(public_id=thread_id).exists()
 
 
 def test_a_message_starts_a_run_that_stores_one_reply(alice_api):

@@ -2,7 +2,7 @@
 
 The machine drives the runtime in-process, as workers, gateways and users would, through random
 sequences of: submissions (sleep, research on the offline provider, remote MCP tools), user
-actions (cancel, pause, resume with more budget, answer), the broker delivering, losing or
+actions (cancel, pause, resume with more budget, answer, delete a task or a thread), the broker delivering, losing or
 duplicating a kick, gateway batches that run or die, workers that claim a step and die (and may
 wake up later as zombies), the clock moving, the sweeper, and chat faults (deleted threads, busy
 threads, failing notification runs, notifiers and chat workers that die).
@@ -21,7 +21,7 @@ are counted steps written by ever newer claims, no effect ran twice, each notifi
 was told at most once, attempt counters stay bounded, and terminal tasks stay terminal. A worker
 that was fenced out writes nothing when it wakes up. At the end of every example a drain runs the
 broker, the gateway, the sweeper and the clock (answering and resuming nothing) until nothing
-moves; then every task is terminal or waits for a person, every notification is delivered,
+moves; then every task is terminal or waits for a person, every task its owner deleted is gone, every notification is delivered,
 dead-lettered with an alert, or none, every chat run has ended, and no call outlives its task.
 
 LONGHAUL_PROPERTY_EXAMPLES=N runs more examples; LONGHAUL_PROPERTY_RANDOM=1 explores new ones
@@ -60,11 +60,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import chat.agent
+from chat import deletion as chat_deletion
 from chat import jobs as chat_jobs
 from chat import runs
 from chat.models import Message, Run, Thread, ThreadItem
 from chat.streams import STATUS_CHANGE_KINDS, number_new_items
-from tasks import actions, clock, kicks, leases, notifications, operations, runner, sweeper
+from tasks import actions, clock, deletion, kicks, leases, notifications, operations, runner, sweeper
 from tasks.errors import Conflict, RateLimited
 from tasks.models import Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, Pool, SleepEffect, Task, TaskEvent
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
@@ -598,6 +599,8 @@ def unsettled() -> list[str]:
                      "pk", "notification_status")]
     problems += [f"chat run {pk} still {status} after {attempts} attempts" for pk, status, attempts in
                  Run.objects.filter(status__in=ACTIVE_RUN).values_list("pk", "status", "attempts")]
+    problems += [f"task {pk} was deleted by its owner but is still here, {status}" for pk, status in
+                 Task.objects.filter(delete_requested_at__isnull=False).values_list("pk", "status")]
     problems += [f"operation {key} still {status} though its task is {task_status}" for key, status, task_status in
                  Operation.objects.filter(status__in=UNFINISHED_OPS, task__status__in=TERMINAL).values_list(
                      "key", "status", "task__status")]
@@ -918,8 +921,24 @@ class LivenessMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.thread_ids)
     @rule(i=st.integers(0, 5))
-    def thread_is_deleted(self, i):
-        Thread.objects.filter(pk=self.thread_ids[i % len(self.thread_ids)]).update(deleted=True)
+    def user_deletes_thread(self, i):
+        """Its tasks go with it: the ended ones at once, the others once their cancel has ended them."""
+        thread = Thread.objects.select_related("owner").get(pk=self.thread_ids.pop(i % len(self.thread_ids)))
+        chat_deletion.delete_thread(thread, user=thread.owner)
+        event("deleted a thread")
+
+    @precondition(lambda self: self.task_ids)
+    @rule(i=st.integers(0, MAX_TASKS - 1))
+    def user_deletes_task(self, i):
+        task = self.pick_task(i)
+        if task is None:
+            return
+        try:
+            deletion.delete_task(task, user=task.owner)
+            event("deleted a task")
+        except Conflict:
+            assert task.status not in deletion.DELETABLE or Task.objects.get(pk=task.pk).status not in \
+                deletion.DELETABLE
 
     @precondition(lambda self: self.thread_ids)
     @rule(i=st.integers(0, 5))

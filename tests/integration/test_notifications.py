@@ -8,6 +8,7 @@ import pytest
 import time_machine
 from django.db import transaction
 
+from chat import notify as chat_notify
 from chat.models import Message, Run, Thread
 from tasks import clock, jobs, notifications
 from tasks.models import Alert, Task
@@ -101,10 +102,14 @@ def test_a_busy_thread_coalesces_quick_events_into_one_delivery_of_the_newest(ac
     assert Run.objects.get(kind=Run.Kind.NOTIFICATION).task_version == 3
 
 
-def test_a_deleted_thread_dead_letters_at_once(acme, alice, thread):
+def test_a_thread_deleted_under_a_claimed_notification_dead_letters_at_once(acme, alice, thread):
+    """Deleted behind chat.deletion's back (the admin's delete): the notifier finds no thread."""
     task = finish(submit_sleep(acme, alice, steps=1, thread_id=thread.pk))
-    Thread.objects.filter(pk=thread.pk).update(deleted=True)
-    assert notifications.deliver(task.pk) == "dead_letter"
+    delivery = notifications.claim(task.pk, owner="notifier:1", now=clock.now())
+    Thread.objects.filter(pk=thread.pk).delete()
+    with pytest.raises(notifications.ThreadGone):
+        chat_notify.deliver(delivery)
+    assert notifications.dead_letter_gone(delivery, "notifier:1", now=clock.now())
     task.refresh_from_db()
     assert task.notification_status == N.DEAD_LETTER
     assert task.notification_attempt_count == 0, "no retries for a thread that is gone"

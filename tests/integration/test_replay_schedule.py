@@ -12,7 +12,7 @@ import pytest
 import time_machine
 from django.core.management import CommandError, call_command
 
-from tasks import actions, clock, jobs, replay, retention
+from tasks import actions, clock, deletion, jobs, replay, retention
 from tasks.errors import QuotaExceeded
 from tasks.models import AdmissionRecord, Task, TaskEvent, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
@@ -161,7 +161,7 @@ def test_each_decision_is_recorded_where_it_happens_and_outlives_the_task(acme, 
     assert (refused.max_running, refused.max_queued, refused.weight, refused.system_max_running,
             refused.aging_seconds) == (1, 1, 1, 3, 60.0), "the policy in force is recorded with the decision"
 
-    actions.delete_task(asking, user=alice)
+    deletion.delete_task(asking, user=alice)
     assert AdmissionRecord.objects.filter(task_id=asking.pk).exists(), "a record is no part of its task"
 
 

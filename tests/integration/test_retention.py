@@ -11,7 +11,8 @@ from django.db import transaction
 
 from chat.models import Message, Thread
 from project import retention as rules
-from tasks import clock, retention, sweeper
+from tasks import actions, clock, retention, sweeper
+from tasks.errors import InvalidInput
 from tasks.events import NewEvent, append
 from tasks.models import AuditEntry, Checkpoint, Operation, RetentionMark, Task, TaskEvent
 from tasks.statuses import TaskStatus
@@ -133,3 +134,32 @@ def test_audit_must_outlive_every_other_class():
     with pytest.raises(ImproperlyConfigured, match="LONGHAUL_RETENTION_RESULTS_DAYS"):
         rules.check({**days, "messages": 10, "audit": 400})
     rules.check({**days, "results": 10, "messages": 10, "audit": 400})
+
+
+def test_a_tenant_keeps_its_data_for_its_own_number_of_days_and_others_for_the_systems(acme, alice, globex, charlie):
+    """Acme forgets events after 10 days and keeps checkpoints for ever; Globex follows the system (90 and 7)."""
+    actions.set_retention(acme, user=alice, overrides={"events": 10, "checkpoints": 0})
+    ours = task_with_data(acme, alice, ended_days_ago=20)
+    theirs = task_with_data(globex, charlie, ended_days_ago=20)
+
+    for _ in range(3):
+        retention.purge(clock.now())
+
+    assert data_of(ours) == {**KEPT, "events": 0}
+    assert data_of(theirs) == {**KEPT, "checkpoints": [3]}
+    marks = dict(RetentionMark.objects.filter(tenant=acme).values_list("data_class", "purged"))
+    assert marks == {"events": 3}, "the tenant's pass has its own watermark"
+    assert RetentionMark.objects.get(data_class="checkpoints", tenant=None).purged == 2
+
+
+def test_a_tenants_override_is_refused_naming_the_field_and_nothing_changes(acme, alice):
+    with pytest.raises(InvalidInput, match="events must be a whole number of days") as out_of_range:
+        actions.set_retention(acme, user=alice, overrides={"events": rules.MAX_DAYS + 1})
+    assert out_of_range.value.field == "events"
+    with pytest.raises(InvalidInput, match="unknown data class 'secrets'"):
+        actions.set_retention(acme, user=alice, overrides={"secrets": 3})
+    with pytest.raises(InvalidInput, match="audit must be 0 or at least events") as short_audit:
+        actions.set_retention(acme, user=alice, overrides={"audit": 30})  # the system keeps events 90 days
+    assert short_audit.value.field == "audit"
+    acme.refresh_from_db()
+    assert acme.retention == {} and not AuditEntry.objects.filter(action="tenant.retention").exists()

@@ -111,7 +111,7 @@ async def test_it_closes_with_4404_for_someone_elses_thread(thread, someone_else
 
 
 async def test_it_closes_with_4404_for_a_deleted_or_missing_thread(thread, alice_cookie):
-    await database_sync_to_async(Thread.objects.filter(pk=thread.pk).update)(deleted=True)
+    await database_sync_to_async(Thread.objects.filter(pk=thread.pk).delete)()
     for path in (thread_path(thread), f"/ws/threads/{uuid.uuid4()}/?after=0"):
         comm = await connected(stream(path, alice_cookie))
         assert await frame(comm) == {"closed": CloseCode.NOT_FOUND}
