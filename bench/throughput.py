@@ -298,6 +298,14 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                           f"{r.longhaul_rate:.0f} steps/s, ceiling {r.ceiling_rate:.0f}/s", flush=True)
                 e2e, gaps = solo(scope, solo_tasks, timeout=timeout)
             wakeup_failures = failed_wakeups(h.log_dir("throughput"))
+            # The same rounds with content at rest in the clear (tasks/crypto.py off), to say what sealing costs.
+            with h.override(LONGHAUL_ENCRYPT_AT_REST=False), \
+                    h.qcluster("throughput-clear", workers=workers, LONGHAUL_MAX_RUNNING=str(tasks + 10),
+                               LONGHAUL_ENCRYPT_AT_REST="0"):
+                ids, _ = submit_many(scope, 4, 2)
+                wait_terminal(ids, timeout=120)
+                clear_rates = [longhaul(scope, tasks, steps, timeout=timeout).longhaul_rate for _ in range(rounds)]
+                clear_times, _ = in_process(scope, 30)
             times, statements = in_process(scope, 30)
             kept_statements = in_place(scope, 10)
             handoff_us = wakeup_handoff(20_000)
@@ -319,6 +327,17 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
     rows.append(["**median**", h.fmt(raw, 0), h.fmt(lh, 0), f"{lh / raw:.0%}", h.fmt(ceil, 0)])
     report.add("Rates (per second)", h.table(
         ["", "raw django-q2 no-op msg/s", "Longhaul steps/s", "Longhaul / raw", "DB ceiling claim+complete/s"], rows))
+
+    clear = h.median(clear_rates)
+    report.add("Encryption at rest (content sealed with the tenant's key, AES-256-GCM)", h.table(
+        ["", "sealed (default)", "in the clear", "sealed / clear"],
+        [[f"{steps}-step workloads, checkpointed steps/s (median of {rounds})", h.fmt(lh, 0), h.fmt(clear, 0),
+          f"{lh / clear:.0%}"],
+         ["`advance` in-process, one step per call, p50 ms", h.fmt(h.percentile(times, 50), 2),
+          h.fmt(h.percentile(clear_times, 50), 2),
+          f"{h.percentile(times, 50) / h.percentile(clear_times, 50):.0%}"]])
+        + f"\n\nRounds in the clear: {', '.join(h.fmt(r, 0) for r in clear_rates)} steps/s, by a second cluster "
+          "started with LONGHAUL_ENCRYPT_AT_REST=0 after the sealed rounds.")
 
     e2e_p50 = h.percentile(e2e, 50)
     if peer is None:

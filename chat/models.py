@@ -11,6 +11,8 @@ from django.db import connection, models, transaction
 from django.db.models import Q
 from django.utils.translation import gettext
 
+from tasks.sealed import SealedJSONField, SealedModel, SealedQuerySet, SealedTextField
+
 
 class Thread(models.Model):
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
@@ -47,7 +49,7 @@ def _next_message_seq(thread_id: int, *, at: datetime) -> int:
     return row[0]
 
 
-class Run(models.Model):
+class Run(SealedModel):
     """One execution of the chat agent in a thread: a reply to the user, or a task notification."""
 
     class Kind(models.TextChoices):
@@ -68,7 +70,7 @@ class Run(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     # Unique: the last line of defence when two workers start the same run.
     idempotency_key = models.CharField(max_length=255, null=True, blank=True, unique=True)
-    input = models.JSONField(default=dict)
+    input = SealedJSONField(default=dict)
     error = models.TextField(blank=True)
     # A notification run tells of its task: deleting the task deletes it (its messages stay in the thread).
     task = models.ForeignKey("tasks.Task", null=True, blank=True, on_delete=models.CASCADE, related_name="+")
@@ -79,6 +81,8 @@ class Run(models.Model):
     created_at = models.DateTimeField()
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+
+    objects = SealedQuerySet.as_manager()
 
     class Meta:
         constraints = [
@@ -92,7 +96,7 @@ class Run(models.Model):
         ]
 
 
-class Message(models.Model):
+class Message(SealedModel):
     class Role(models.TextChoices):
         USER = "user"
         ASSISTANT = "assistant"
@@ -100,14 +104,16 @@ class Message(models.Model):
 
     thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="messages")
     role = models.CharField(max_length=16, choices=Role.choices)
-    content = models.TextField()
+    content = SealedTextField(tenant="thread__tenant_id")
     hidden = models.BooleanField(default=False, help_text="Injected turns (task notifications), not shown.")
     run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.SET_NULL, related_name="messages")
-    data = models.JSONField(default=dict, blank=True)
+    data = SealedJSONField(default=dict, blank=True, tenant="thread__tenant_id")
     # Per thread, from 1 and without gaps: the API's message id and the page's cursor. A global id
     # would tell every tenant how much everyone else writes.
     seq = models.PositiveIntegerField(editable=False)
     created_at = models.DateTimeField()
+
+    objects = SealedQuerySet.as_manager()
 
     class Meta:
         ordering = ["thread", "seq"]
@@ -157,7 +163,7 @@ class ThreadItem(models.Model):
         constraints = [models.UniqueConstraint(fields=["thread", "seq"], name="thread_item_seq_unique")]
 
 
-class Proposal(models.Model):
+class Proposal(SealedModel):
     """A side effect the model proposed (a remote tool call, a cancel): nothing runs until the thread's owner
     confirms. A quoted web page or a remote tool's result can talk the model into calling; the user cannot be."""
 
@@ -180,13 +186,15 @@ class Proposal(models.Model):
     action = models.CharField(max_length=32, choices=Action.choices)
     # start_remote_tool: {server (configured name), server_title, tool, arguments, name};
     # cancel_background_task: {task (public id), name}. Shown only through chat.proposals.public_shape.
-    arguments = models.JSONField(default=dict)
+    arguments = SealedJSONField(default=dict)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     created_at = models.DateTimeField()
     decided_at = models.DateTimeField(null=True, blank=True)
     decided_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL,
                                    related_name="+")
     outcome = models.TextField(blank=True, help_text="What happened when it was decided, as the thread was told.")
+
+    objects = SealedQuerySet.as_manager()
 
     class Meta:
         constraints = [

@@ -5,6 +5,7 @@ Raised from anywhere as an ApiError or a runtime error, rendered here.
 
 from __future__ import annotations
 
+import logging
 import math
 import uuid
 from typing import Any, TypeVar
@@ -16,7 +17,9 @@ from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
-from tasks.errors import Conflict, InvalidInput, InvalidTransition, QuotaExceeded
+from tasks.errors import Conflict, InvalidInput, InvalidTransition, QuotaExceeded, TamperedContent
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(exceptions.APIException):
@@ -79,6 +82,10 @@ def render_api_error(exc: Exception, context: dict[str, Any]) -> Response | None
         response = Response(_body(str(exc), "queue_full"), status=status.HTTP_429_TOO_MANY_REQUESTS)
         response["Retry-After"] = str(exc.retry_after)
         return response
+    if isinstance(exc, TamperedContent):
+        log.error("sealed content failed its check: %s", exc)  # the operator's to see; the caller gets no content
+        return Response(_body(f"stored content failed its integrity check and is not shown ({exc})",
+                              "content_tampered"), status=status.HTTP_500_INTERNAL_SERVER_ERROR)
     if isinstance(exc, exceptions.ValidationError):
         field, message = _first_validation_error(exc.detail)
         text = f"{field}: {message}" if field else message

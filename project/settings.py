@@ -9,7 +9,7 @@ from pathlib import Path
 from csp import constants as csp
 from django.core.exceptions import ImproperlyConfigured
 
-from project import pools, retention
+from project import master_keys, pools, retention
 from project.client_ip import trusted_networks
 from project.env import database_from_url, envbool, envfloat, envint, envlist, envrate, envstr
 
@@ -38,6 +38,13 @@ def _secret_key() -> str:
 
 
 SECRET_KEY = _secret_key()
+# Content at rest (tasks/crypto.py): the master keys that wrap each tenant's data key, the first current.
+LONGHAUL_MASTER_KEYS = master_keys.load(envstr(master_keys.VARIABLE), debug=DEBUG, var_dir=VAR_DIR)
+# Off only to measure what encryption costs (bench/throughput.py); what was written sealed stays readable.
+LONGHAUL_ENCRYPT_AT_REST = envbool("LONGHAUL_ENCRYPT_AT_REST", True)
+# How long a process trusts a data key it unwrapped before reading it again (a destroyed key stops
+# decrypting everywhere within this).
+LONGHAUL_KEY_CACHE_SECONDS = envfloat("LONGHAUL_KEY_CACHE_SECONDS", 30.0, minimum=0.0)
 ALLOWED_HOSTS = envlist("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "[::1]", "testserver"])
 CSRF_TRUSTED_ORIGINS = envlist("CSRF_TRUSTED_ORIGINS", [])
 

@@ -16,7 +16,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 
-from tasks import clock, kicks, notifications, retention, scheduling, stopping, transitions
+from tasks import clock, crypto, kicks, notifications, retention, scheduling, stopping, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drivers import get_driver
@@ -316,8 +316,19 @@ def set_retention(tenant: Tenant, *, user: Any, overrides: dict[str, int]) -> No
     with transaction.atomic():
         before = Tenant.objects.select_for_update().values_list("retention", flat=True).get(pk=tenant.pk)
         Tenant.objects.filter(pk=tenant.pk).update(retention=cleaned)
+        retention.overrides_dropped(tenant.pk, set(before) - set(cleaned))
         tenant.retention = cleaned
         audit(tenant, user, "tenant.retention", now, {"before": before, "after": cleaned})
+
+
+def destroy_data_key(tenant: Tenant, *, user: Any) -> int:
+    """Crypto-shredding: every version of the tenant's data key is destroyed, so what they sealed reads as
+    erased; returns how many versions went. New content gets a new key."""
+    now = clock.now()
+    with transaction.atomic():
+        destroyed = crypto.destroy_keys(tenant.pk)
+        audit(tenant, user, "tenant.key_destroyed", now, {"versions": destroyed})
+    return destroyed
 
 
 def _act_on_stop_request(task: Task, *, now) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db import transaction
 
-from tasks import clock, leases
+from tasks import clock, leases, sealed
 from tasks.budgets import Budget
 from tasks.errors import CancelRequested, LeaseLost, PauseRequested, PermanentError, StepError
 from tasks.events import NewEvent
@@ -153,6 +153,7 @@ class StepContext:
         with transaction.atomic():
             self.fence()
             Operation.objects.filter(key=key).update(
-                status=status, result=result, finished_at=clock.now(),
+                status=status, result=sealed.Sealed(self.task.tenant_id, result) if result is not None else None,
+                finished_at=clock.now(),
                 error_class=error.error_class if error else "", error_message=str(error) if error else "",
             )

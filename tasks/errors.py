@@ -122,3 +122,8 @@ class CancelRequested(SafePoint):
 
 class PauseRequested(SafePoint):
     pass
+
+
+class TamperedContent(LonghaulError):
+    """A sealed value failed its integrity check (tasks/crypto.py): changed, truncated, or moved from another
+    column or tenant. Raised, never returned as a value."""

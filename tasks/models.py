@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db import models
 from django.db.models import F, Q
 
+from tasks.sealed import SealedJSONField, SealedModel, SealedQuerySet, SealedTextField
 from tasks.statuses import CLAIMABLE, HOLDS_SLOT, TERMINAL, ErrorClass, NotificationStatus, OperationStatus, TaskStatus
 
 
@@ -36,6 +37,26 @@ class Tenant(models.Model):
         return self.slug
 
 
+class TenantKey(models.Model):
+    """One version of a tenant's data key, wrapped by a master key (tasks/crypto.py). The newest version not
+    destroyed seals new content; older ones open what they sealed until `rotate_tenant_key` has resealed it.
+    A destroyed key keeps its row without the key: what it sealed reads as erased (crypto-shredding)."""
+
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="keys")
+    version = models.PositiveIntegerField()
+    master_key_id = models.CharField(max_length=32, help_text="The LONGHAUL_MASTER_KEYS entry that wraps it.")
+    wrapped = models.BinaryField(blank=True, help_text="Nonce and AES-256-GCM ciphertext of the data key; "
+                                                       "empty once destroyed.")
+    created_at = models.DateTimeField()
+    destroyed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["tenant", "version"], name="tenant_key_version_unique")]
+
+    def __str__(self) -> str:
+        return f"{self.tenant_id} v{self.version}{' (destroyed)' if self.destroyed_at else ''}"
+
+
 class Membership(models.Model):
     class Role(models.TextChoices):
         MEMBER = "member"
@@ -53,7 +74,7 @@ class Membership(models.Model):
         return f"{self.user} in {self.tenant} ({self.role})"
 
 
-class Task(models.Model):
+class Task(SealedModel):
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="tasks")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="tasks")
@@ -61,7 +82,7 @@ class Task(models.Model):
     thread = models.ForeignKey("chat.Thread", null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks")
     kind = models.CharField(max_length=32)
     name = models.CharField(max_length=200)
-    input = models.JSONField(default=dict)
+    input = SealedJSONField(default=dict)
     budget = models.JSONField(default=dict)
     priority = models.SmallIntegerField(default=0)
 
@@ -109,11 +130,11 @@ class Task(models.Model):
         help_text="Admission asked this running task to give its slot back at its next step boundary: another "
                   "tenant is owed it (tasks/scheduling.py). Cleared when it leaves running.")
 
-    question = models.TextField(blank=True, help_text="What the task asks its owner while waiting_input.")
-    question_form = models.JSONField(null=True, blank=True,
+    question = SealedTextField(blank=True, help_text="What the task asks its owner while waiting_input.")
+    question_form = SealedJSONField(null=True, blank=True,
                                      help_text="The requested schema of a structured answer; None: free text.")
-    answer = models.TextField(blank=True, help_text="The owner's answer, read by the next step.")
-    answer_data = models.JSONField(null=True, blank=True, help_text="The owner's structured answer, if any.")
+    answer = SealedTextField(blank=True, help_text="The owner's answer, read by the next step.")
+    answer_data = SealedJSONField(null=True, blank=True, help_text="The owner's structured answer, if any.")
 
     # A remote task's handle (never leaves the server) and what its polls and cancels last said.
     remote_handle = models.CharField(max_length=255, null=True, blank=True)
@@ -122,7 +143,7 @@ class Task(models.Model):
     remote_cancel_attempts = models.PositiveIntegerField(default=0)
     remote_cancel_error = models.TextField(blank=True, help_text="Why the last remote cancel attempt failed, redacted.")
 
-    result = models.JSONField(null=True, blank=True)
+    result = SealedJSONField(null=True, blank=True)
     result_version = models.PositiveIntegerField(default=0)
 
     code_version = models.CharField(max_length=64, blank=True)
@@ -141,7 +162,7 @@ class Task(models.Model):
                                            default=NotificationStatus.NONE)
     dispatch_version = models.PositiveIntegerField(default=0)
     dispatch_attempt = models.PositiveIntegerField(default=0)
-    dispatch_event = models.JSONField(null=True, blank=True)
+    dispatch_event = SealedJSONField(null=True, blank=True)
     notification_error = models.TextField(blank=True)
     notification_attempt_count = models.PositiveIntegerField(
         default=0, help_text="Failed deliveries of the newest version; reset by a new version and by a delivery.")
@@ -158,6 +179,7 @@ class Task(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField()
 
+    objects = SealedQuerySet.as_manager()
     class Meta:
         constraints = [
             # One active task per remote task: the same owner cannot track a server's handle twice at once
@@ -218,15 +240,21 @@ class Task(models.Model):
         return f"{self.name} ({self.status})"
 
 
-class TaskEvent(models.Model):
+# Events whose data stays in the clear: metrics count them by a key of their data in SQL, and they carry
+# an error class and a redacted message, no content. Every other event's data is sealed.
+CLEAR_EVENTS = frozenset({"retry_scheduled"})
+
+
+class TaskEvent(SealedModel):
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
     seq = models.PositiveBigIntegerField()
     kind = models.CharField(max_length=40)
     status = models.CharField(max_length=16, choices=TaskStatus.choices)
-    data = models.JSONField(default=dict)
+    data = SealedJSONField(default=dict, when=lambda event: bool(event.data) and event.kind not in CLEAR_EVENTS)
     at = models.DateTimeField()
 
+    objects = SealedQuerySet.as_manager()
     class Meta:
         ordering = ["task", "seq"]
         constraints = [models.UniqueConstraint(fields=["task", "seq"], name="event_task_seq_unique")]
@@ -240,21 +268,22 @@ class TaskEvent(models.Model):
         return f"#{self.seq} {self.kind}"
 
 
-class Checkpoint(models.Model):
+class Checkpoint(SealedModel):
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="checkpoints")
     step = models.PositiveIntegerField()
     fencing_token = models.PositiveBigIntegerField()
-    state = models.JSONField(default=dict)
+    state = SealedJSONField(default=dict, tenant="task__tenant_id")
     schema_version = models.PositiveIntegerField()
     at = models.DateTimeField()
 
+    objects = SealedQuerySet.as_manager()
     class Meta:
         ordering = ["task", "step"]
         # A step commits at most once: a zombie's duplicate would collide here even if the fence failed.
         constraints = [models.UniqueConstraint(fields=["task", "step"], name="checkpoint_task_step_unique")]
 
 
-class Operation(models.Model):
+class Operation(SealedModel):
     class Mode(models.TextChoices):
         GATEWAY = "gateway"  # a network call a step requested; a gateway job runs it
         LOCAL = "local"  # a database-local effect a step performed itself (the sleep driver's SleepEffect)
@@ -271,14 +300,15 @@ class Operation(models.Model):
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.GATEWAY)
     args_digest = models.CharField(max_length=64)
     status = models.CharField(max_length=16, choices=OperationStatus.choices, default=OperationStatus.STARTED)
-    result = models.JSONField(null=True, blank=True)
+    result = SealedJSONField(null=True, blank=True, tenant="task__tenant_id")
     error_class = models.CharField(max_length=32, blank=True)
     error_message = models.TextField(blank=True)
     attempts = models.PositiveIntegerField(default=1)
     has_side_effects = models.BooleanField(
         default=False, help_text="Must not run twice: if its gateway job dies during it, it fails, not runs again.")
     fencing_token = models.PositiveBigIntegerField()
-    args = models.JSONField(null=True, blank=True, help_text="What a gateway job executes; None for local effects.")
+    args = SealedJSONField(null=True, blank=True, tenant="task__tenant_id",
+                           help_text="What a gateway job executes; None for local effects.")
     not_before = models.DateTimeField(null=True, blank=True,
                                       help_text="Not run before this time (a remote job's next poll); None: at once.")
     usage = models.JSONField(default=dict, blank=True)
@@ -290,6 +320,7 @@ class Operation(models.Model):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
 
+    objects = SealedQuerySet.as_manager()
     class Meta:
         ordering = ["task", "step", "n"]
         indexes = [

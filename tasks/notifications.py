@@ -34,6 +34,7 @@ from django.utils.module_loading import import_string
 from tasks import clock, kicks, leases
 from tasks.alerts import raise_alert
 from tasks.models import Alert, Task
+from tasks.sealed import Sealed
 from tasks.statuses import NotificationStatus, TaskStatus
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def claim(task_id: int, *, owner: str, now: datetime) -> Delivery | None:
         snap = snapshot(task, event=task.status)
         Task.objects.filter(pk=task.pk, notification_status=task.notification_status).update(
             notification_status=N.CLAIMED, notification_lease_owner=owner, notification_lease_expires_at=lease,
-            dispatch_version=version, dispatch_attempt=attempt, dispatch_event=snap,
+            dispatch_version=version, dispatch_attempt=attempt, dispatch_event=Sealed(task.tenant_id, snap),
             notification_dispatches=dispatches,
         )
         return Delivery(task_id=task.pk, thread_id=task.thread_id, version=version, attempt=attempt, snapshot=snap)

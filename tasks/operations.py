@@ -41,7 +41,7 @@ from django.db import close_old_connections, connection, connections, transactio
 from django.db.models import Count, F, Q, Window
 from django.db.models.functions import RowNumber
 
-from tasks import clock, drain, events, kicks, leases, pools, transitions
+from tasks import clock, drain, events, kicks, leases, pools, sealed, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drain import draining
@@ -126,7 +126,7 @@ def request_abandon(task: Task, *, now: datetime) -> bool:
         remote = remote_cancelling(get_driver(task.kind))
     except InvalidInput:
         return False
-    if remote is None or Operation.objects.filter(task_id=task.pk, args__abandon=True).exists():
+    if remote is None or Operation.objects.filter(task_id=task.pk, key__contains=":a").exists():
         return False
     checkpoint = Checkpoint.objects.filter(task_id=task.pk).order_by("-step").first()
     requests = remote.abandon(task, checkpoint.state if checkpoint else None)
@@ -437,7 +437,7 @@ def _finish(op_id: int, *, guard: Q, fields: dict[str, Any], retries_used: int =
         if op is None:
             return False
         task = Task.objects.select_for_update().get(pk=op.task_id)  # one recorder per task at a time
-        if not Operation.objects.filter(guard, pk=op_id).update(**fields):
+        if not Operation.objects.filter(guard, pk=op_id).update(**sealed.wrap(Operation, task.tenant_id, fields)):
             return False  # our lease expired and another job took the operation over
         if retries_used:
             Task.objects.filter(pk=task.pk).update(retries=F("retries") + retries_used)

@@ -74,6 +74,15 @@ def check_overrides(overrides: dict[str, Any]) -> dict[str, int]:
     return cleaned
 
 
+def overrides_dropped(tenant_id: int, data_classes: set[str]) -> None:
+    """A tenant follows the system again for these classes: the system's pass, whose watermark went past
+    the tenant's rows while they were left out, walks its class again from the start (a pass over rows
+    already purged finds nothing and moves on a batch), and the tenant's own watermark goes."""
+    if data_classes:
+        RetentionMark.objects.filter(data_class__in=data_classes, tenant__isnull=True).update(up_to=None, up_to_id=0)
+        RetentionMark.objects.filter(data_class__in=data_classes, tenant_id=tenant_id).delete()
+
+
 def purge(now: datetime, *, batch: int | None = None) -> dict[str, int]:
     """One bounded pass over every class (the system's, then each overriding tenant's); returns how many
     rows each class purged (or emptied)."""
@@ -147,8 +156,8 @@ def _purge_checkpoints(task_ids: list[int], batch: int) -> Purged:
 def _purge_operation_payloads(task_ids: list[int], batch: int) -> Purged:
     ids = list(Operation.objects.filter(task_id__in=task_ids, status__in=[OperationStatus.SUCCEEDED,
                                                                            OperationStatus.FAILED])
-               .exclude(args={}, result=None).values_list("pk", flat=True)[:batch])
-    Operation.objects.filter(pk__in=ids).update(args={}, result=None)
+               .filter(Q(args__isnull=False) | Q(result__isnull=False)).values_list("pk", flat=True)[:batch])
+    Operation.objects.filter(pk__in=ids).update(args=None, result=None)
     return len(ids), len(ids) < batch
 
 

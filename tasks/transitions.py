@@ -16,7 +16,7 @@ from django.db import connection
 from django.db.models import F, Q, QuerySet
 from django.db.models.sql.subqueries import UpdateQuery
 
-from tasks import admission_records
+from tasks import admission_records, sealed
 from tasks.errors import InvalidTransition
 from tasks.events import NewEvent, append, store
 from tasks.models import Operation, Task
@@ -65,7 +65,7 @@ def _move(
         # A request to give back a slot it no longer holds (the row's, which `task` may not show). A task
         # that waits for calls or a retry keeps it, and gives the slot back when it next runs.
         values.setdefault("yield_requested_at", None)
-    last_seq = _update_reserving_seqs(rows, values, len(events))
+    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), len(events))
     if last_seq is None:
         return False
     was = task.status

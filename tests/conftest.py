@@ -1,4 +1,4 @@
-"""Shared fixtures: tenants and named users (alice and bob in acme, charlie in globex)."""
+"""Shared fixtures: tenants and named users (alice and bob in acme, charlie in globex), and root, a superuser."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import uuid
 
 import pytest
 from django.contrib.auth.models import User
+from django.test import Client
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
@@ -70,3 +71,15 @@ def alice_api(alice) -> APIClient:
 @pytest.fixture
 def charlie_api(charlie) -> APIClient:
     return api_client_for(charlie)
+
+
+@pytest.fixture
+def root(db) -> User:
+    return User.objects.create_superuser("root", password="root-password-1")
+
+
+@pytest.fixture
+def root_client(root) -> Client:
+    client = Client()
+    client.force_login(root)
+    return client

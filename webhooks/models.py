@@ -14,6 +14,7 @@ from django.db import models
 from django.db.models import Q
 
 from tasks.models import Task, Tenant
+from tasks.sealed import SealedModel, SealedQuerySet, SealedTextField
 
 # Task event kind -> the webhook event type it is delivered as (issue #21).
 EVENT_TYPES = {
@@ -64,7 +65,7 @@ class Endpoint(models.Model):
         return self.url
 
 
-class Delivery(models.Model):
+class Delivery(SealedModel):
     """One event version of one task for one endpoint: the outbox row, sent until the receiver says 2xx."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
@@ -75,7 +76,7 @@ class Delivery(models.Model):
     # The Standard Webhooks message id: the same on every attempt, so receivers dedupe.
     webhook_id = models.CharField(max_length=40, unique=True, editable=False)
     # The exact bytes signed and sent, frozen when the event happened: every attempt sends the same body.
-    body = models.TextField()
+    body = SealedTextField()
     status = models.CharField(max_length=16, choices=DeliveryStatus.choices, default=DeliveryStatus.PENDING)
     attempts = models.PositiveIntegerField(default=0, help_text="Claims so far, a killed one included.")
     next_attempt_at = models.DateTimeField(null=True, blank=True)
@@ -85,6 +86,8 @@ class Delivery(models.Model):
     last_status_code = models.PositiveSmallIntegerField(null=True, blank=True)
     created_at = models.DateTimeField()
     delivered_at = models.DateTimeField(null=True, blank=True)
+
+    objects = SealedQuerySet.as_manager()
 
     class Meta:
         ordering = ("-created_at", "-id")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from django import forms
@@ -85,7 +85,7 @@ class TenantAdmin(TenantScopedAdmin):
     )
     readonly_fields = ("slug", "name", "created_at")
     search_fields = ("slug", "name")
-    actions = ("erase_data",)
+    actions = ("erase_data", "destroy_data_key")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet:
         ids = operator_tenant_ids(request)
@@ -113,30 +113,64 @@ class TenantAdmin(TenantScopedAdmin):
 
     @admin.action(description="Erase the selected tenant's data…")
     def erase_data(self, request: HttpRequest, queryset: QuerySet) -> TemplateResponse | None:
-        """Two steps: a page saying what will go, then the tenant's slug typed to confirm. Superusers only:
-        it cannot be undone."""
-        if not request.user.is_superuser:
-            messages.error(request, "Only a superuser may erase a tenant's data.")
-            return None
-        if queryset.count() != 1:
-            messages.error(request, "Select one tenant: a tenant's data is erased one tenant at a time.")
-            return None
-        tenant = queryset.get()
-        typed = request.POST.get("confirm_slug")
-        if typed is not None and typed.strip() == tenant.slug:
+        def erase(tenant: Tenant) -> str:
             done = deletion.erase_tenant(tenant, user=request.user)
             counts = ", ".join(f"{n} {name}" for name, n in done["deleted"].items()) or "nothing"
             later = f"; {done['tasks_pending']} running tasks are cancelled and go when they stop" \
                 if done["tasks_pending"] else ""
-            messages.success(request, f"Erased the data of {tenant.slug}: {counts}{later}.")
+            return f"Erased the data of {tenant.slug}: {counts}{later}."
+
+        def described(tenant: Tenant) -> dict[str, Any]:
+            threads, tasks = tenant.threads.count(), Task.objects.filter(tenant=tenant).count()
+            messages_count = tenant.threads.aggregate(n=Count("messages"))["n"]
+            return {"title": f"Erase the data of {tenant.slug}?", "button": f"Erase all of {tenant.slug}'s data",
+                    "goes": [f"{threads} threads with {messages_count} messages;",
+                             (f"{tasks} tasks with their events, checkpoints, calls, notifications and webhook "
+                              "deliveries (running ones are cancelled first and go when they stop);"),
+                             "the tenant's admission records."],
+                    "stays": "The tenant, its members, its settings and the audit trail stay; the erasure itself "
+                             "is audited."}
+
+        return self.two_steps(request, queryset, "erase_data", described, erase)
+
+    @admin.action(description="Destroy the selected tenant's data key…")
+    def destroy_data_key(self, request: HttpRequest, queryset: QuerySet) -> TemplateResponse | None:
+        def destroy(tenant: Tenant) -> str:
+            versions = actions.destroy_data_key(tenant, user=request.user)
+            return (f"Destroyed {versions} data key version{'s' if versions != 1 else ''} of {tenant.slug}: its "
+                    "content reads as erased; new content gets a new key.")
+
+        def described(tenant: Tenant) -> dict[str, Any]:
+            return {"title": f"Destroy the data key of {tenant.slug}?", "button": f"Destroy {tenant.slug}'s key",
+                    "goes": [("every version of the tenant's data key: task inputs and results, checkpoints, calls, "
+                              "event details and messages sealed with it become unreadable for good, and show "
+                              "“content erased” (crypto-shredding);"),
+                             "tasks still running lose what they were working from."],
+                    "stays": "The rows stay, with their statuses, times and counts; new content is sealed with a "
+                             "new key. The destruction is audited."}
+
+        return self.two_steps(request, queryset, "destroy_data_key", described, destroy)
+
+    def two_steps(self, request: HttpRequest, queryset: QuerySet, action: str,
+                  described: Callable[[Tenant], dict[str, Any]], act: Callable[[Tenant], str]) -> TemplateResponse | None:
+        """What cannot be undone: a page saying what will go, then the tenant's slug typed to confirm.
+        Superusers only, one tenant at a time."""
+        if not request.user.is_superuser:
+            messages.error(request, "Only a superuser may do this to a tenant's data.")
+            return None
+        if queryset.count() != 1:
+            messages.error(request, "Select one tenant: this is done one tenant at a time.")
+            return None
+        tenant = queryset.get()
+        typed = request.POST.get("confirm_slug")
+        if typed is not None and typed.strip() == tenant.slug:
+            messages.success(request, act(tenant))
             return None
         if typed is not None:
-            messages.error(request, f"Nothing was erased: type the slug {tenant.slug} exactly to confirm.")
+            messages.error(request, f"Nothing was done: type the slug {tenant.slug} exactly to confirm.")
         context = {**self.admin_site.each_context(request), "opts": self.model._meta, "tenant": tenant,
-                   "title": f"Erase the data of {tenant.slug}?", "action": "erase_data",
-                   "counts": {"threads": tenant.threads.count(), "tasks": Task.objects.filter(tenant=tenant).count(),
-                              "messages": tenant.threads.aggregate(n=Count("messages"))["n"]}}
-        return TemplateResponse(request, "admin/tasks/tenant/erase_data.html", context)
+                   "action": action, **described(tenant)}
+        return TemplateResponse(request, "admin/tasks/tenant/confirm_with_slug.html", context)
 
     @admin.display(description="running (slots held)", ordering="running_count")
     def running(self, tenant: Tenant) -> int:

@@ -54,16 +54,6 @@ def signed_in(user: User) -> Client:
     return client
 
 
-@pytest.fixture
-def root(db) -> User:
-    return User.objects.create_superuser("root", password="root-password-1")
-
-
-@pytest.fixture
-def root_client(root) -> Client:
-    return signed_in(root)
-
-
 @dataclass(frozen=True)
 class Scene:
     """One of each admin-visible row, all in one tenant."""

@@ -65,7 +65,7 @@ def test_an_old_ended_tasks_data_is_forgotten_class_by_class_and_its_last_checkp
     old = task_with_data(acme, alice, ended_days_ago=100)
     counts = retention.purge(clock.now())
     assert counts == {"events": 3, "checkpoints": 2, "operation_payloads": 1}
-    assert data_of(old) == {"events": 0, "checkpoints": [3], "payload": ({}, None), "result": {"report": "kept?"}}
+    assert data_of(old) == {"events": 0, "checkpoints": [3], "payload": (None, None), "result": {"report": "kept?"}}
     assert Task.objects.filter(pk=old.pk).exists(), "the task row stays"
 
 
@@ -163,3 +163,16 @@ def test_a_tenants_override_is_refused_naming_the_field_and_nothing_changes(acme
     assert short_audit.value.field == "audit"
     acme.refresh_from_db()
     assert acme.retention == {} and not AuditEntry.objects.filter(action="tenant.retention").exists()
+
+
+def test_a_tenant_that_drops_its_override_is_purged_by_the_systems_pass_again(acme, alice, globex, charlie):
+    """The system's watermark went past the tenant's rows while they were left out: it walks them again."""
+    actions.set_retention(acme, user=alice, overrides={"events": 0})  # acme keeps events for ever
+    ours = task_with_data(acme, alice, ended_days_ago=100)
+    theirs = task_with_data(globex, charlie, ended_days_ago=99)  # ended after ours: the watermark passes ours
+    retention.purge(clock.now())
+    assert (data_of(ours)["events"], data_of(theirs)["events"]) == (3, 0)
+
+    actions.set_retention(acme, user=alice, overrides={})
+    retention.purge(clock.now())
+    assert data_of(ours)["events"] == 0
