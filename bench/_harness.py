@@ -37,6 +37,15 @@ def _development_key() -> str:
     return secrets.token_urlsafe(50)
 
 
+def _development_master_keys() -> str:
+    """The master keys `make run` generated under var/ (so data keys it wrapped still open), or a new one."""
+    from project import master_keys
+
+    var_dir = Path(os.environ.get("LONGHAUL_VAR_DIR", ROOT / "var"))
+    master_keys.load("", debug=True, var_dir=var_dir)  # generated and kept there if it is not yet
+    return (var_dir / "master_keys").read_text().strip()
+
+
 def setup() -> None:
     """Django for a benchmark process; debug drivers on (the `sleep` kind), PostgreSQL required."""
     if str(ROOT) not in sys.path:
@@ -52,6 +61,8 @@ def setup() -> None:
             os.environ.setdefault(f"LONGHAUL_THROTTLE_{throttle}_{per}", "off")
     if not os.environ.get("SECRET_KEY"):
         os.environ["SECRET_KEY"] = _development_key()
+    if not os.environ.get("LONGHAUL_MASTER_KEYS"):
+        os.environ["LONGHAUL_MASTER_KEYS"] = _development_master_keys()
     import django
     from django.apps import apps
 

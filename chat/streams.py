@@ -65,11 +65,14 @@ def number_new_items(thread_pk: int) -> int:
     reader that has passed seq n never finds a new item below it (a global event id, allocated
     at insert, could commit after a higher one and be skipped).
     """
-    marks = Thread.objects.values_list("item_marks", flat=True).get(pk=thread_pk)
-    if not _moved(thread_pk, marks):  # the common case: nothing new, no lock taken
-        return 0
+    marks = Thread.objects.values_list("item_marks", flat=True).filter(pk=thread_pk).first()
+    if marks is None or not _moved(thread_pk, marks):  # the common case: nothing new, no lock taken
+        return 0  # (or the thread was deleted: its followers close at their next check of the grant)
     with transaction.atomic():
-        last, marks = Thread.objects.select_for_update().values_list("item_seq", "item_marks").get(pk=thread_pk)
+        found = Thread.objects.select_for_update().values_list("item_seq", "item_marks").filter(pk=thread_pk).first()
+        if found is None:
+            return 0
+        last, marks = found
         moved = _moved(thread_pk, marks)
         if not moved:
             return 0

@@ -21,9 +21,10 @@ from functools import cache, lru_cache
 from typing import Any
 
 from django.apps import apps
-from django.core.exceptions import ImproperlyConfigured
+from django.core.exceptions import FieldError, ImproperlyConfigured
 from django.db import models
 from django.db.models.expressions import BaseExpression
+from django.db.models.lookups import Exact
 
 ERASED_TEXT = "[content erased]"
 ERASED_JSON = {"content_erased": "This content was erased: its tenant's data key was destroyed."}
@@ -51,6 +52,23 @@ class SealedFieldMixin:
         base = "django.db.models.JSONField" if isinstance(self, models.JSONField) else "django.db.models.TextField"
         return name, base, args, kwargs
 
+    # Sealed values differ on every write (a fresh nonce), so SQL can test them for NULL and nothing else:
+    # an equality, a containment or a key of a sealed value would quietly match nothing. Refused instead.
+    # A field that leaves some rows in the clear (`when`) keeps its key lookups for those (metrics use them).
+    def get_lookup(self, lookup_name: str) -> Any:
+        if lookup_name == "isnull" or self.when is not None:
+            return super().get_lookup(lookup_name)  # type: ignore[misc]
+        if lookup_name == "exact":
+            return _NullOnlyExact
+        raise FieldError(f"{self.label} is sealed: SQL cannot compare or read into its content ({lookup_name}); "
+                         "read the rows and compare in Python")
+
+    def get_transform(self, lookup_name: str) -> Any:
+        if self.when is not None:
+            return super().get_transform(lookup_name)  # type: ignore[misc]
+        raise FieldError(f"{self.label} is sealed: SQL cannot compare or read into its content ({lookup_name}); "
+                         "read the rows and compare in Python")
+
     @property
     def label(self) -> str:
         return f"{self.model._meta.db_table}.{self.column}"  # type: ignore[attr-defined]
@@ -64,7 +82,7 @@ class SealedFieldMixin:
         return Sealed(tenant_of(model_instance, self.tenant_path), value)
 
     def get_db_prep_save(self, value: Any, connection: Any) -> Any:
-        from tasks import crypto
+        from tasks import crypto  # crypto reads TenantKey, a model of the module these fields are used in
 
         if isinstance(value, _Clear):
             return super().get_db_prep_save(value.value, connection)  # type: ignore[misc]
@@ -88,6 +106,16 @@ class SealedFieldMixin:
         if opened is crypto.ERASED:
             return self.erased()
         return _owned(self.from_plaintext(opened), crypto.parse(token, label=self.label)[0])
+
+
+class _NullOnlyExact(Exact):
+    """`field=None` (Django turns it into IS NULL); any other value is refused."""
+
+    def __init__(self, lhs: Any, rhs: Any) -> None:
+        if rhs is not None:
+            raise FieldError(f"{lhs.output_field.label} is sealed: SQL cannot compare its content (exact); "
+                             "read the rows and compare in Python")
+        super().__init__(lhs, rhs)
 
 
 class _Clear:

@@ -94,7 +94,7 @@ def answered_calls(request: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def replies_in(thread: Thread, text: str) -> list[Message]:
-    return list(Message.objects.filter(thread=thread, content=text))
+    return [m for m in Message.objects.filter(thread=thread) if m.content == text]  # sealed: read, not queried
 
 
 def confirm(client: APIClient, thread: Thread, proposal: Proposal) -> None:

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 from django.core.management import call_command
+from django.core.exceptions import FieldError
 from django.core.management.base import CommandError
 from django.db import connection
 from django.urls import reverse
@@ -257,3 +258,17 @@ def test_development_keeps_a_generated_master_key_in_var(tmp_path):
 
 def task_now():
     return clock.now()
+
+
+def test_sql_may_not_compare_sealed_content_only_test_it_for_null(acme, alice):
+    """An equality on a sealed column would quietly match nothing (every write has its own nonce): refused."""
+    make_task(acme, alice, result={"report": "r"})
+    with pytest.raises(FieldError, match="tasks_task.result is sealed: SQL cannot compare its content"):
+        Task.objects.filter(result={"report": "r"}).exists()
+    with pytest.raises(FieldError, match="chat_message.content is sealed"):
+        Message.objects.filter(content__contains="r").exists()
+    with pytest.raises(FieldError, match="tasks_task.input is sealed: SQL cannot compare or read into"):
+        Task.objects.filter(input__question="q").exists()
+    assert Task.objects.filter(result__isnull=False).count() == 1 and Task.objects.filter(answer_data=None).count() == 1
+    assert TaskEvent.objects.filter(kind="retry_scheduled", data__error_class="x").count() == 0, \
+        "a column with rows in the clear keeps its key lookups"

@@ -165,7 +165,7 @@ def test_it_starts_exactly_one_task_when_confirmed_and_refuses_a_second_confirm(
     assert (task.kind, task.name, task.owner_id, task.thread_id) == ("mcp", "Q3 report", alice.pk, thread.pk)
     assert task.input == {"server": CONFIGURED, "tool": "build_report",
                           "arguments": {"quarter": "Q3", "note": "<b>bold</b>"}}
-    told = Message.objects.filter(thread=thread, data__decides=str(proposal.public_id)).get()
+    (told,) = deciding(thread, proposal)
     assert told.role == "assistant" and "Started" in told.content and told.data["started"] == str(task.public_id)
     proposal.refresh_from_db()
     assert proposal.decided_by_id == alice.pk and proposal.outcome == told.content
@@ -175,7 +175,7 @@ def test_it_starts_exactly_one_task_when_confirmed_and_refuses_a_second_confirm(
 
     assert again.status_code == 409 and again.json()["code"] == "already_decided"
     assert Task.objects.count() == 1
-    assert Message.objects.filter(thread=thread, data__decides=str(proposal.public_id)).count() == 1
+    assert len(deciding(thread, proposal)) == 1
 
 
 def test_two_confirms_at_once_start_one_task(servers_file, model, thread, alice):
@@ -221,7 +221,7 @@ def test_it_starts_nothing_when_declined(servers_file, model, thread, alice, ali
 
     assert answer.status_code == 200 and answer.json()["status"] == "declined"
     assert not Task.objects.exists()
-    told = Message.objects.get(thread=thread, data__decides=str(proposal.public_id))
+    (told,) = deciding(thread, proposal)
     assert "nothing was run" in told.content
     assert decide(alice_api, thread, proposal, "confirm").status_code == 409
     assert not Task.objects.exists()
@@ -319,3 +319,8 @@ def test_confirm_defaults_to_true(tmp_path):
 
     assert config.read(str(path))["reports"].confirm is True
 
+
+
+def deciding(thread, proposal) -> list[Message]:
+    """The thread's messages that tell the proposal's decision (their data is sealed: read, not queried)."""
+    return [m for m in Message.objects.filter(thread=thread) if m.data.get("decides") == str(proposal.public_id)]

@@ -14,6 +14,7 @@ import pytest
 from django.utils import timezone
 
 from chat.models import Run, Thread
+from project import master_keys
 from chat.tools import start_background_task
 from tasks.models import Task
 from tests.factories import submit_sleep
@@ -31,6 +32,11 @@ def deployment_env(tmp_path: Path, **variables: str) -> dict[str, str]:
     return env
 
 
+def production_keys() -> dict[str, str]:
+    """What a deployment must set: the secret key and the master keys (neither is generated without DEBUG)."""
+    return {"SECRET_KEY": secrets.token_urlsafe(50), "LONGHAUL_MASTER_KEYS": master_keys.generate("k1")}
+
+
 def settings_of(env: dict[str, str]) -> dict[str, object]:
     script = ("import django, json; django.setup(); from django.conf import settings as s; "
               "from tasks.drivers import available_kinds; "
@@ -44,7 +50,7 @@ def settings_of(env: dict[str, str]) -> dict[str, object]:
 
 
 def test_a_deployment_that_sets_nothing_runs_without_debug_or_debug_kinds(tmp_path):
-    shown = settings_of(deployment_env(tmp_path, SECRET_KEY=secrets.token_urlsafe(50)))
+    shown = settings_of(deployment_env(tmp_path, **production_keys()))
     assert shown["DEBUG"] is False
     assert shown["LONGHAUL_DEBUG_DRIVERS"] is False
     assert shown["SESSION_COOKIE_SECURE"] is True and shown["CSRF_COOKIE_SECURE"] is True
@@ -60,7 +66,7 @@ def test_debug_alone_does_not_turn_on_the_debug_kinds(tmp_path):
 
 
 def test_the_deployment_check_passes_with_production_settings(tmp_path):
-    env = deployment_env(tmp_path, SECRET_KEY=secrets.token_urlsafe(50), ALLOWED_HOSTS="longhaul.example.com",
+    env = deployment_env(tmp_path, **production_keys(), ALLOWED_HOSTS="longhaul.example.com",
                          SECURE_SSL_REDIRECT="1", SECURE_HSTS_SECONDS="31536000",
                          SECURE_HSTS_INCLUDE_SUBDOMAINS="1", SECURE_HSTS_PRELOAD="1",
                          LONGHAUL_TLS_PROXY_HEADER="X-Forwarded-Proto")
@@ -114,7 +120,7 @@ def test_code_in_the_process_may_still_drill_a_crash(acme, alice):
     ({"LONGHAUL_RETENTION_AUDIT_DAYS": "30"}, "LONGHAUL_RETENTION_AUDIT_DAYS must be 0 or at least"),
 ])
 def test_a_retention_that_breaks_the_rules_stops_the_process_naming_the_variable(tmp_path, variables, named):
-    env = deployment_env(tmp_path, SECRET_KEY=secrets.token_urlsafe(50), **variables)
+    env = deployment_env(tmp_path, **production_keys(), **variables)
     done = subprocess.run([sys.executable, "-c", "import django; django.setup()"], cwd=ROOT, env=env,
                           capture_output=True, text=True, check=False, timeout=60)
     assert done.returncode != 0
