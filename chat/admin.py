@@ -15,7 +15,6 @@ class ThreadAdmin(ReadOnlyAdmin):
     list_display = ("__str__", "tenant", "owner", "created_at", "updated_at")
     list_filter = (("tenant", OperatorTenantFilter),)
     list_select_related = ("tenant", "owner")
-    search_fields = ("title",)
     ordering = ("-updated_at",)
     show_full_result_count = False
 

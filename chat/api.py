@@ -145,8 +145,10 @@ class ThreadMessages(APIView):
         scoped_key = f"chat:{request.user.pk}:{key}" if key else None
         run, created = runs.start_run(thread, kind=Run.Kind.CHAT, user_text=body.validated_data["content"],
                                       hidden=False, key=scoped_key)
-        if not thread.title:
-            Thread.objects.filter(pk=thread.pk, title="").update(title=body.validated_data["content"][:60])
+        if created and not thread.title and run.messages.filter(role=Message.Role.USER, seq=1).exists():
+            # The thread's first message names it (only the request that wrote message 1 gets here; a title the
+            # user set meanwhile wins: it is read above, and a rename after this replaces it anyway).
+            Thread.objects.filter(pk=thread.pk).update(title=body.validated_data["content"][:60])
         return Response(RunSerializer(run).data, status=status.HTTP_202_ACCEPTED if created else status.HTTP_200_OK)
 
 

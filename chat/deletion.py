@@ -16,6 +16,7 @@ def delete_thread(thread: Thread, *, user: Any) -> dict[str, Any]:
     """Delete the thread and everything in it; returns what its audit entry keeps: counts, never content."""
     now = clock.now()
     with transaction.atomic():
+        deletion.lock_runs(thread_id=thread.pk)  # runs, then the thread, then its tasks: the order runs take
         fresh = Thread.objects.select_for_update().get(pk=thread.pk)
         counts, pending = deletion.delete_tasks(fresh.tasks.all(), user=user, now=now)
         # The tasks left to end their cancel lose their thread, and with it anyone to tell: their outbox

@@ -14,17 +14,20 @@ from django.utils.translation import gettext
 from tasks.sealed import SealedJSONField, SealedModel, SealedQuerySet, SealedTextField
 
 
-class Thread(models.Model):
+class Thread(SealedModel):
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
     tenant = models.ForeignKey("tasks.Tenant", on_delete=models.CASCADE, related_name="threads")
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="threads")
-    title = models.CharField(max_length=200, blank=True)
+    # Sealed: the first message names the thread, so its title is the user's words (tasks/sealed.py).
+    title = SealedTextField(blank=True)
     message_seq = models.PositiveIntegerField(default=0, help_text="The seq of the thread's newest message.")
     item_seq = models.PositiveIntegerField(default=0, help_text="The seq of the thread stream's newest item.")
     item_marks = models.JSONField(default=dict, blank=True,
                                   help_text="Per task id, the last event seq the thread stream has looked at.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    objects = SealedQuerySet.as_manager()
 
     class Meta:
         indexes = [models.Index(fields=["tenant", "owner", "-updated_at"], name="thread_owner_recent_idx")]

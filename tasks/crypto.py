@@ -112,19 +112,33 @@ def current_key(tenant_id: int) -> tuple[int, bytes]:
     if row is None:
         row = _new_key(tenant_id)
     key = _unwrap(row)
-    _keys[(tenant_id, row.version)] = (key, time.monotonic())
-    _current[tenant_id] = (row.version, time.monotonic())
+    _remember(tenant_id, row.version, key, current=True)
     return row.version, key
 
 
 def data_key(tenant_id: int, version: int) -> bytes | None:
+    """The key of that version, or None once destroyed."""
     cached = _keys.get((tenant_id, version))
     if cached and _fresh(cached[1]):
         return cached[0]
     row = TenantKey.objects.filter(tenant_id=tenant_id, version=version).first()
-    key = None if row is None or row.destroyed_at else _unwrap(row)
-    _keys[(tenant_id, version)] = (key, time.monotonic())
+    if row is None:  # a destroyed key keeps its row: no row means the token was never sealed here
+        raise TamperedContent(f"no data key v{version} of tenant {tenant_id} exists; the sealed value was not "
+                              "written by this installation, or its key row was deleted")
+    key = None if row.destroyed_at else _unwrap(row)
+    _remember(tenant_id, version, key)
     return key
+
+
+def _remember(tenant_id: int, version: int, key: bytes | None, *, current: bool = False) -> None:
+    """Cache a key once what read it has committed: a key row made in a transaction that rolls back must not
+    outlive it here, or content sealed with it later would point at a version that does not exist."""
+    def store() -> None:
+        _keys[(tenant_id, version)] = (key, time.monotonic())
+        if current:
+            _current[tenant_id] = (version, time.monotonic())
+
+    transaction.on_commit(store)  # at once outside a transaction
 
 
 def new_key(tenant_id: int) -> int:
@@ -135,17 +149,15 @@ def new_key(tenant_id: int) -> int:
 
 
 def _new_key(tenant_id: int) -> TenantKey:
-    for _ in range(3):  # two processes creating the same version: the loser reads the winner's
-        newest = TenantKey.objects.filter(tenant_id=tenant_id).aggregate(v=Max("version"))["v"] or 0
-        key = AESGCM.generate_key(bit_length=256)
-        master_id, wrapped = _wrap(key, tenant_id, newest + 1)
-        try:
-            with transaction.atomic():
-                return TenantKey.objects.create(tenant_id=tenant_id, version=newest + 1, master_key_id=master_id,
-                                                wrapped=wrapped, created_at=clock.now())
-        except IntegrityError:
-            continue
-    return TenantKey.objects.filter(tenant_id=tenant_id, destroyed_at__isnull=True).order_by("-version").first()
+    newest = TenantKey.objects.filter(tenant_id=tenant_id).aggregate(v=Max("version"))["v"] or 0
+    key = AESGCM.generate_key(bit_length=256)
+    master_id, wrapped = _wrap(key, tenant_id, newest + 1)
+    try:
+        with transaction.atomic():
+            return TenantKey.objects.create(tenant_id=tenant_id, version=newest + 1, master_key_id=master_id,
+                                            wrapped=wrapped, created_at=clock.now())
+    except IntegrityError:  # another process made this version first: use the one it made
+        return TenantKey.objects.get(tenant_id=tenant_id, version=newest + 1)
 
 
 def destroy_keys(tenant_id: int) -> int:

@@ -12,17 +12,21 @@ content. Threads are chat's (chat/deletion.py); it calls `delete_tasks` for a th
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from datetime import datetime
 from typing import Any
 
+from django.apps import apps
 from django.db import transaction
 from django.db.models import QuerySet
 
 from tasks import actions, clock
 from tasks.errors import Conflict
 from tasks.models import AdmissionRecord, Task, Tenant
-from tasks.statuses import TERMINAL, TaskStatus
+from tasks.statuses import TERMINAL, NotificationStatus, TaskStatus
+
+log = logging.getLogger(__name__)
 
 # A task may be deleted once nothing will run it again without its owner: ended, or stopped partial.
 DELETABLE = TERMINAL | {TaskStatus.PARTIAL}
@@ -34,6 +38,7 @@ def delete_task(task: Task, *, user: Any) -> dict[str, int]:
     Returns the counts its audit entry keeps."""
     now = clock.now()
     with transaction.atomic():
+        lock_runs(task_id=task.pk)
         fresh = Task.objects.select_for_update().get(pk=task.pk)
         if fresh.status not in DELETABLE:
             raise Conflict(f"the task is {fresh.status}: cancel it first, then delete it", code="task_active")
@@ -62,15 +67,29 @@ def finish_pending(now: datetime, *, batch: int) -> int:
     ids = list(Task.objects.filter(delete_requested_at__isnull=False, status__in=sorted(DELETABLE))
                .values_list("pk", flat=True)[:batch])  # task_delete_pending_idx
     for pk in ids:
-        with transaction.atomic():
-            task = Task.objects.select_for_update(skip_locked=True).filter(pk=pk).first()
-            if task is None or task.status not in DELETABLE:
-                continue
-            counts = _delete_one(task)
-            actions.audit(task, task.delete_requested_by, "task.delete", now,
-                          {"deleted": counts, "after_cancel": True})
-            done += 1
+        try:
+            with transaction.atomic():
+                lock_runs(task_id=pk)
+                # Only what the deletion and its audit need: a row whose content fails its check (or whose key
+                # is gone) is deleted all the same, and never holds up the ones after it.
+                task = (Task.objects.select_for_update(skip_locked=True).filter(pk=pk)
+                        .only("pk", "public_id", "tenant_id", "status", "delete_requested_by").first())
+                if task is None or task.status not in DELETABLE:
+                    continue
+                counts = _delete_one(task)
+                actions.audit(task, task.delete_requested_by, "task.delete", now,
+                              {"deleted": counts, "after_cancel": True})
+                done += 1
+        except Exception:
+            log.exception("deleting task %s, whose owner deleted it, failed; the next sweep tries again", pk)
     return done
+
+
+def lock_runs(**rows: Any) -> None:
+    """Lock the chat runs these rows would take with them, before their thread or task: a run that ends
+    locks its run, then its thread, then its task (chat.runs), and a deletion that took the task first
+    would wait for it while it waits for the task. Named by string: tasks never imports chat."""
+    list(apps.get_model("chat", "Run").objects.select_for_update().filter(**rows).values_list("pk", flat=True))
 
 
 def erase_tenant(tenant: Tenant, *, user: Any, batch: int = 200) -> dict[str, Any]:
@@ -81,6 +100,11 @@ def erase_tenant(tenant: Tenant, *, user: Any, batch: int = 200) -> dict[str, An
     now = clock.now()
     counts: Counter[str] = Counter()
     with transaction.atomic():
+        lock_runs(tenant_id=tenant.pk)
+        # Their tasks lose their thread, and so anyone to tell: the outbox settles (a running task ends later).
+        Task.objects.filter(tenant=tenant, thread__isnull=False).update(
+            notification_status=NotificationStatus.NONE, next_notification_at=None, notification_lease_owner="",
+            notification_lease_expires_at=None)
         _, threads = tenant.threads.all().delete()  # chat's threads, by their relation: tasks never imports chat
         counts.update(named_counts(threads))
     while True:

@@ -138,7 +138,13 @@ def claim(task_id: int, *, owner: str, now: datetime) -> Delivery | None:
             .filter(_lease_free(now))
             .first()
         )
-        if task is None or task.thread_id is None:
+        if task is None:
+            return None
+        if task.thread_id is None:
+            # Its thread was deleted (SET NULL) behind the deletion that settles the outbox (an admin's
+            # delete, say): nobody is left to tell, and a pending row would be kicked for ever.
+            Task.objects.filter(pk=task.pk).update(notification_status=N.NONE, next_notification_at=None,
+                                                   **_released())
             return None
         dispatches = task.notification_dispatches
         if task.notification_status == N.CLAIMED:

@@ -10,10 +10,12 @@ A row whose content fails its integrity check is reported by name and left as it
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 
 from django.apps import apps
+from django.conf import settings
 from django.db import models, transaction
 
 from tasks import crypto
@@ -33,6 +35,12 @@ def reseal_tenant(tenant_id: int, *, batch: int = 500,
     """A new data key for the tenant, and every row of its content sealed under it. Returns the new
     version and, per table, the rows resealed (and "<table> tampered" for rows that failed their check)."""
     version = crypto.new_key(tenant_id)
+    # Other processes seal with the version they cached for up to this long: the walk starts after it, so
+    # a row they write behind it is already sealed under the new version.
+    wait = settings.LONGHAUL_KEY_CACHE_SECONDS
+    if wait:
+        progress(f"key v{version} made; waiting {wait:g} s for every process to take it up")
+        time.sleep(wait)
     counts: Counter[str] = Counter()
     for model, fields in sealed_models():
         names = [f.attname for f in fields]

@@ -165,3 +165,13 @@ def test_each_event_version_produces_exactly_one_assistant_message(acme, alice, 
     assert "needs your answer: Go on?" in messages[0]
     assert "is done" in messages[1]
     assert not [j for j in queued_jobs() if j[0] == "tasks.jobs.deliver"]
+
+
+def test_a_pending_notification_whose_thread_is_gone_settles_instead_of_waiting(acme, alice, thread):
+    """Deleted behind chat.deletion's back (the admin's delete, a tenant's erasure): nobody is left to tell."""
+    task = finish(submit_sleep(acme, alice, steps=1, thread_id=thread.pk))
+    assert Task.objects.get(pk=task.pk).notification_status == N.PENDING
+    Thread.objects.filter(pk=thread.pk).delete()
+    assert notifications.deliver(task.pk) == "nothing"
+    task.refresh_from_db()
+    assert (task.notification_status, task.next_notification_at) == (N.NONE, None)

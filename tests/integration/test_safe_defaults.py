@@ -14,8 +14,8 @@ import pytest
 from django.utils import timezone
 
 from chat.models import Run, Thread
-from project import master_keys
 from chat.tools import start_background_task
+from project import master_keys
 from tasks.models import Task
 from tests.factories import submit_sleep
 
