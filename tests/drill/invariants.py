@@ -154,7 +154,7 @@ def notifications_told_once(tenant_id: int) -> list[Violation]:
         if n != 1:
             found.append(Violation("each notification version told once",
                                    f"task {task_id} v{version}: {n} assistant messages"))
-    for task in Task.objects.filter(tenant_id=tenant_id, thread__isnull=False, thread__deleted=False):
+    for task in Task.objects.filter(tenant_id=tenant_id, thread__isnull=False):
         if task.status not in TERMINAL and task.status != TaskStatus.PARTIAL:
             continue
         if task.event_version < 1 or task.notified_version != task.event_version:
