@@ -346,9 +346,11 @@ def purge_tenant(tenant_id: int, user_ids: list[int]) -> None:
         Checkpoint,
         IdempotencyRecord,
         Operation,
+        RetentionMark,
         SleepEffect,
         Task,
         TaskEvent,
+        TenantKey,
     )
     from webhooks.models import Delivery, Endpoint
 
@@ -375,6 +377,8 @@ def purge_tenant(tenant_id: int, user_ids: list[int]) -> None:
         (f"DELETE FROM {_t(Task)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(Thread)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(Membership)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(TenantKey)} WHERE tenant_id = %s", [tenant_id]),
+        (f"DELETE FROM {_t(RetentionMark)} WHERE tenant_id = %s", [tenant_id]),
         (f"DELETE FROM {_t(Tenant)} WHERE id = %s", [tenant_id]),
     ]
     with transaction.atomic(), connection.cursor() as cursor:

@@ -299,13 +299,14 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                 e2e, gaps = solo(scope, solo_tasks, timeout=timeout)
             wakeup_failures = failed_wakeups(h.log_dir("throughput"))
             # The same rounds with content at rest in the clear (tasks/crypto.py off), to say what sealing costs.
-            with h.override(LONGHAUL_ENCRYPT_AT_REST=False), \
-                    h.qcluster("throughput-clear", workers=workers, LONGHAUL_MAX_RUNNING=str(tasks + 10),
-                               LONGHAUL_ENCRYPT_AT_REST="0"):
-                ids, _ = submit_many(scope, 4, 2)
-                wait_terminal(ids, timeout=120)
-                clear_rates = [longhaul(scope, tasks, steps, timeout=timeout).longhaul_rate for _ in range(rounds)]
-                clear_times, _ = in_process(scope, 30)
+            with h.override(LONGHAUL_ENCRYPT_AT_REST=False):
+                with h.qcluster("throughput-clear", workers=workers, LONGHAUL_MAX_RUNNING=str(tasks + 10),
+                                LONGHAUL_ENCRYPT_AT_REST="0"):
+                    ids, _ = submit_many(scope, 4, 2)
+                    wait_terminal(ids, timeout=120)
+                    clear_rates = [longhaul(scope, tasks, steps, timeout=timeout).longhaul_rate
+                                   for _ in range(rounds)]
+                clear_times, _ = in_process(scope, 30)  # no cluster left to take its kicks
             times, statements = in_process(scope, 30)
             kept_statements = in_place(scope, 10)
             handoff_us = wakeup_handoff(20_000)
