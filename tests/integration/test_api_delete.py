@@ -6,10 +6,11 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import connection
 
 from chat import runs
 from chat.models import Message, Run, Thread
-from tasks import clock, jobs, sweeper
+from tasks import clock, deletion, jobs, sweeper
 from tasks.models import AuditEntry, Checkpoint, IdempotencyRecord, Operation, SleepEffect, Task, TaskEvent
 from tasks.statuses import TERMINAL, TaskStatus
 from tests.factories import make_task, submit_sleep
@@ -152,3 +153,15 @@ def test_a_running_task_of_a_deleted_thread_has_nobody_left_to_tell(acme, alice,
     jobs.advance(held.pk)
     held.refresh_from_db()
     assert held.status == TaskStatus.CANCELLED and held.notification_status == "none", "its end tells nobody"
+
+
+def test_a_pending_deletion_whose_content_fails_its_check_is_done_and_holds_up_no_other(acme, alice):
+    """The sweeper's deletions read no content: a row that cannot be opened is deleted all the same."""
+    now = clock.now()
+    broken, fine = (make_task(acme, alice, status=TaskStatus.CANCELLED, input={"question": "q"},
+                              delete_requested_at=now, delete_requested_by=alice) for _ in range(2))
+    with connection.cursor() as cursor:  # a value no key opens
+        cursor.execute("UPDATE tasks_task SET input = %s::jsonb WHERE id = %s",
+                       [f'{{"lh_sealed": "lh1:{acme.pk}:1:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"}}', broken.pk])
+    assert deletion.finish_pending(now, batch=10) == 2
+    assert not Task.objects.filter(pk__in=[broken.pk, fine.pk]).exists()
