@@ -8,8 +8,7 @@ from typing import Any
 from django.db import transaction
 
 from chat.models import Thread
-from tasks import actions, clock, deletion
-from tasks.statuses import NotificationStatus
+from tasks import actions, clock, deletion, notifications
 
 
 def delete_thread(thread: Thread, *, user: Any) -> dict[str, Any]:
@@ -19,10 +18,8 @@ def delete_thread(thread: Thread, *, user: Any) -> dict[str, Any]:
         deletion.lock_runs(thread_id=thread.pk)  # runs, then the thread, then its tasks: the order runs take
         fresh = Thread.objects.select_for_update().get(pk=thread.pk)
         counts, pending = deletion.delete_tasks(fresh.tasks.all(), user=user, now=now)
-        # The tasks left to end their cancel lose their thread, and with it anyone to tell: their outbox
-        # settles here, or it would wait for a thread that no longer exists.
-        fresh.tasks.update(thread=None, notification_status=NotificationStatus.NONE, next_notification_at=None,
-                           notification_lease_owner="", notification_lease_expires_at=None)
+        # The tasks left to end their cancel lose their thread (SET NULL), and with it anyone to tell.
+        notifications.nobody_to_tell(fresh.tasks.all())
         _, rows = fresh.delete()
         counts.update(deletion.named_counts(rows))
         details = {"deleted": dict(sorted(counts.items())), "tasks_pending": pending}

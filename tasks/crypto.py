@@ -35,7 +35,7 @@ from tasks.models import TenantKey
 
 MARK = "lh1"
 NONCE_BYTES = 12
-ERASED = object()  # what open_token returns for content whose key was destroyed
+ERASED = object()  # what open_token gives for content whose key was destroyed
 
 
 class KeyUnavailable(LonghaulError):
@@ -57,14 +57,14 @@ def seal(tenant_id: int, plaintext: bytes, *, label: str) -> str:
     return f"{MARK}:{tenant_id}:{version}:{base64.b64encode(nonce + sealed).decode()}"
 
 
-def open_token(token: str, *, label: str) -> bytes | object:
-    """The plaintext of a token, or ERASED if its key was destroyed."""
+def open_token(token: str, *, label: str) -> tuple[int, bytes | object]:
+    """The tenant that sealed a token, and its plaintext (ERASED if the key was destroyed)."""
     tenant_id, version, body = parse(token, label=label)
     key = data_key(tenant_id, version)
     if key is None:
-        return ERASED
+        return tenant_id, ERASED
     try:
-        return AESGCM(key).decrypt(body[:NONCE_BYTES], body[NONCE_BYTES:], _aad(label, tenant_id))
+        return tenant_id, AESGCM(key).decrypt(body[:NONCE_BYTES], body[NONCE_BYTES:], _aad(label, tenant_id))
     except InvalidTag:
         raise TamperedContent(f"{label}: sealed content failed its integrity check (tenant {tenant_id}, "
                               f"key v{version}); it was changed or moved, and is not shown") from None

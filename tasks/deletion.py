@@ -21,16 +21,19 @@ from django.apps import apps
 from django.db import transaction
 from django.db.models import QuerySet
 
-from tasks import actions, clock
+from tasks import actions, clock, notifications
 from tasks.errors import Conflict
 from tasks.models import AdmissionRecord, Task, Tenant
-from tasks.statuses import TERMINAL, NotificationStatus, TaskStatus
+from tasks.statuses import TERMINAL, TaskStatus
 
 log = logging.getLogger(__name__)
 
 # A task may be deleted once nothing will run it again without its owner: ended, or stopped partial.
 DELETABLE = TERMINAL | {TaskStatus.PARTIAL}
 CANCEL_REASON = "deleted by its owner"
+# What a deletion and its audit read of a task: never its content, so a row whose content fails its check
+# (or whose key is gone) is deleted all the same.
+DELETION_FIELDS = ("pk", "public_id", "tenant_id", "status", "delete_requested_by")
 
 
 def delete_task(task: Task, *, user: Any) -> dict[str, int]:
@@ -39,7 +42,7 @@ def delete_task(task: Task, *, user: Any) -> dict[str, int]:
     now = clock.now()
     with transaction.atomic():
         lock_runs(task_id=task.pk)
-        fresh = Task.objects.select_for_update().get(pk=task.pk)
+        fresh = Task.objects.select_for_update().only(*DELETION_FIELDS).get(pk=task.pk)
         if fresh.status not in DELETABLE:
             raise Conflict(f"the task is {fresh.status}: cancel it first, then delete it", code="task_active")
         counts = _delete_one(fresh)
@@ -55,7 +58,7 @@ def delete_tasks(tasks: QuerySet[Task], *, user: Any, now: datetime) -> tuple[Co
         Task.objects.filter(pk=task.pk, delete_requested_at__isnull=True).update(
             delete_requested_at=now, delete_requested_by=user, updated_at=now)
     counts: Counter[str] = Counter()
-    for task in tasks.filter(status__in=sorted(DELETABLE)).select_for_update():
+    for task in tasks.filter(status__in=sorted(DELETABLE)).select_for_update().only(*DELETION_FIELDS):
         counts.update(_delete_one(task))
     return counts, tasks.exclude(status__in=sorted(DELETABLE)).count()
 
@@ -70,10 +73,7 @@ def finish_pending(now: datetime, *, batch: int) -> int:
         try:
             with transaction.atomic():
                 lock_runs(task_id=pk)
-                # Only what the deletion and its audit need: a row whose content fails its check (or whose key
-                # is gone) is deleted all the same, and never holds up the ones after it.
-                task = (Task.objects.select_for_update(skip_locked=True).filter(pk=pk)
-                        .only("pk", "public_id", "tenant_id", "status", "delete_requested_by").first())
+                task = Task.objects.select_for_update(skip_locked=True).filter(pk=pk).only(*DELETION_FIELDS).first()
                 if task is None or task.status not in DELETABLE:
                     continue
                 counts = _delete_one(task)
@@ -101,10 +101,8 @@ def erase_tenant(tenant: Tenant, *, user: Any, batch: int = 200) -> dict[str, An
     counts: Counter[str] = Counter()
     with transaction.atomic():
         lock_runs(tenant_id=tenant.pk)
-        # Their tasks lose their thread, and so anyone to tell: the outbox settles (a running task ends later).
-        Task.objects.filter(tenant=tenant, thread__isnull=False).update(
-            notification_status=NotificationStatus.NONE, next_notification_at=None, notification_lease_owner="",
-            notification_lease_expires_at=None)
+        # Their tasks lose their thread (SET NULL), and with it anyone to tell (a running task ends later).
+        notifications.nobody_to_tell(Task.objects.filter(tenant=tenant, thread__isnull=False))
         _, threads = tenant.threads.all().delete()  # chat's threads, by their relation: tasks never imports chat
         counts.update(named_counts(threads))
     while True:

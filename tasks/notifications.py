@@ -28,7 +28,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import F, Q, QuerySet
 from django.utils.module_loading import import_string
 
 from tasks import clock, kicks, leases
@@ -116,6 +116,11 @@ def note(task: Task, *, event: str, now: datetime) -> bool:
     return bool(changed)
 
 
+def nobody_to_tell(tasks: QuerySet[Task]) -> int:
+    """These tasks' thread is gone (or going): their outbox settles, with no delivery due or held."""
+    return tasks.update(notification_status=N.NONE, next_notification_at=None, **_released())
+
+
 def _lease_free(now: datetime) -> Q:
     return Q(notification_lease_owner="") | Q(notification_lease_expires_at__lt=now)
 
@@ -141,10 +146,9 @@ def claim(task_id: int, *, owner: str, now: datetime) -> Delivery | None:
         if task is None:
             return None
         if task.thread_id is None:
-            # Its thread was deleted (SET NULL) behind the deletion that settles the outbox (an admin's
-            # delete, say): nobody is left to tell, and a pending row would be kicked for ever.
-            Task.objects.filter(pk=task.pk).update(notification_status=N.NONE, next_notification_at=None,
-                                                   **_released())
+            # Its thread was deleted (SET NULL) behind the deletions that settle the outbox (an admin's
+            # delete, say): a pending row would be kicked for ever.
+            nobody_to_tell(Task.objects.filter(pk=task.pk))
             return None
         dispatches = task.notification_dispatches
         if task.notification_status == N.CLAIMED:

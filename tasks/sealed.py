@@ -17,14 +17,16 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 from typing import Any
 
 from django.apps import apps
 from django.core.exceptions import FieldError, ImproperlyConfigured
-from django.db import models
+from django.db import models, transaction
 from django.db.models.expressions import BaseExpression
 from django.db.models.lookups import Exact
+
+from tasks.errors import TamperedContent
 
 ERASED_TEXT = "[content erased]"
 ERASED_JSON = {"content_erased": "This content was erased: its tenant's data key was destroyed."}
@@ -102,10 +104,10 @@ class SealedFieldMixin:
         token = self.token_of(value)
         if token is None:
             return self.plain(value, expression, connection)
-        opened = crypto.open_token(token, label=self.label)
+        tenant_id, opened = crypto.open_token(token, label=self.label)
         if opened is crypto.ERASED:
             return self.erased()
-        return _owned(self.from_plaintext(opened), crypto.parse(token, label=self.label)[0])
+        return _owned(self.from_plaintext(opened), tenant_id)
 
 
 class _NullOnlyExact(Exact):
@@ -216,8 +218,6 @@ class SealedModel(models.Model):
 
     @classmethod
     def from_db(cls, db: str | None, field_names: Any, values: Any) -> Any:
-        from tasks.errors import TamperedContent
-
         instance = super().from_db(db, field_names, values)
         for field in sealed_fields(cls):
             if field.attname in instance.__dict__:
@@ -262,6 +262,22 @@ def tenant_of(instance: models.Model, path: str) -> int:
     return _tenant_of_row(field.related_model._meta.label, getattr(instance, field.attname))
 
 
-@lru_cache(maxsize=65536)
+# (model label, pk) -> tenant id. A task's or thread's tenant never changes, but a row made in a transaction
+# that rolls back is not that row: it is remembered only once what read it has committed (SQLite may give its
+# primary key to the next row, of another tenant).
+_row_tenants: dict[tuple[str, int], int] = {}
+ROW_TENANTS_KEPT = 65536
+
+
 def _tenant_of_row(model_label: str, pk: int) -> int:
-    return apps.get_model(model_label).objects.values_list("tenant_id", flat=True).get(pk=pk)
+    found = _row_tenants.get((model_label, pk))
+    if found is None:
+        found = apps.get_model(model_label).objects.values_list("tenant_id", flat=True).get(pk=pk)
+
+        def remember() -> None:
+            if len(_row_tenants) >= ROW_TENANTS_KEPT:
+                _row_tenants.clear()
+            _row_tenants[(model_label, pk)] = found
+
+        transaction.on_commit(remember)  # at once outside a transaction
+    return found
