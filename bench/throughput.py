@@ -14,8 +14,9 @@ Per round, with one real qcluster (W workers) already warm:
 Then, on the idle cluster, tasks of 5 steps one at a time: end to end time, and the gap between
 consecutive checkpoints of a task (the runtime's own cost per step: the steps do nothing).
 Then, with the cluster stopped, `tasks.jobs.advance` in this process: one step per call (wall time
-and SQL statements of a step after a kick, without the broker), and a task whose steps run in place
-(statements of each such step); and the time a commit spends handing a wake-up to the process's
+and SQL statements of a step after a kick, without the broker), a task whose steps run in place
+(statements of each such step) and tasks due together that one worker's turn goes through (statements
+a step); and the time a commit spends handing a wake-up to the process's
 sender, with the wake-ups the workers logged as failed during the run.
 Finally DBOS Transact itself (bench/dbos_peer.py, the `bench` extra): the same workload of S-step
 workflows through a DBOS queue with the same number of processes, its system database on the same
@@ -51,6 +52,7 @@ STATEMENTS_TARGET = 6
 WAKEUP_HANDOFF_TARGET_US = 100.0
 LIMITS = {"tasks": 5000, "steps": 1000, "workers": 16, "rounds": 10, "solo": 500, "timeout": 900}
 NOOP = "bench._qnoop.noop"
+TASKS_GOING_ON = 10
 
 
 @dataclass
@@ -244,6 +246,22 @@ def in_place(scope: h.Scope, steps: int) -> list[int] | None:
     return per_commit[2:-1] or None
 
 
+def going_on(scope: h.Scope, tasks: int, steps: int) -> float:
+    """SQL statements a step costs when the worker goes on from task to task within its turn (tasks/runner.py):
+    `tasks` tasks of `steps` steps, due together, run by one `advance` with the broker empty; the mean over
+    all their steps, the first claim and every task's end included."""
+    h.purge_kicks(set(Task.objects.filter(tenant=scope.tenant).values_list("pk", flat=True)), set())
+    with h.override(LONGHAUL_STEP_SLICE_MS=60_000):
+        ids, _ = submit_many(scope, tasks, steps)
+        h.purge_kicks(set(ids), set())
+        with CaptureQueriesContext(connection) as queries:
+            jobs.advance(ids[0])
+        done = Task.objects.filter(pk__in=ids, status=TaskStatus.SUCCEEDED).count()
+    h.purge_kicks(set(ids), set())
+    assert done == tasks, f"going on: {done} of {tasks} tasks succeeded in one turn"
+    return len(queries.captured_queries) / (tasks * steps)
+
+
 def wakeup_handoff(count: int) -> list[float]:
     """Microseconds a committing thread spends handing one wake-up to the process's sender
     (tasks/events.py), on the channel layer the settings name (Redis in `make bench`)."""
@@ -309,6 +327,7 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                 clear_times, _ = in_process(scope, 30)  # no cluster left to take its kicks
             times, statements = in_process(scope, 30)
             kept_statements = in_place(scope, 10)
+            switching_statements = going_on(scope, TASKS_GOING_ON, steps)
             handoff_us = wakeup_handoff(20_000)
         # DBOS on the same PostgreSQL with the same number of processes, Longhaul's cluster stopped.
         missing = dbos_peer.available()
@@ -390,6 +409,9 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
         ["step", "statements"],
         [
             ["a step run in place (the worker kept the lease): probe for waiting work, the fenced commit", kept],
+            [("a step when the worker goes on to the task due longest (no broker): probe, fenced commit, claim from the "
+              f"task table, reads of the checkpoint and the calls still out; {TASKS_GOING_ON} tasks of {steps} steps"),
+             f"mean {switching_statements:.1f}"],
             [("a step after a kick: claim, reads of the checkpoint and the calls still out, probe, fenced commit, "
               "next kick"), f"median {h.median(statements):.0f} (min {min(statements)}, max {max(statements)})"],
         ]))

@@ -293,6 +293,8 @@ if Q_WORKER_TIMEOUT >= Q_RETRY:
 Q_CLUSTER = {
     "name": "longhaul",
     "orm": "default",
+    # django-q2's ORM broker over the cluster's queue and, under a key of their own, its step kicks.
+    "broker_class": "tasks.broker.Broker",
     "workers": envint("LONGHAUL_WORKERS", 2, minimum=1),
     "timeout": Q_WORKER_TIMEOUT,
     "retry": Q_RETRY,

@@ -131,6 +131,9 @@ def _send_now(layer: Any, group: str, seq: int) -> None:
         log.warning("wake-up for %s failed", group, exc_info=True)
 
 
+SENDS_AT_ONCE = 32  # wake-ups in flight at once, well under channels_redis's pool of 100 connections
+
+
 class WakeupSender:
     """A daemon thread with one event loop that sends wake-ups handed to it by committing threads.
 
@@ -171,12 +174,17 @@ class WakeupSender:
                     self._idle.set()
                     return
             layer = get_channel_layer()
-            results = await asyncio.gather(
-                *(layer.group_send(group, {"type": "task.wakeup", "seq": seq}) for group, seq in batch.items()),
-                return_exceptions=True)
-            for group, result in zip(batch, results):
-                if isinstance(result, BaseException):  # a lost wake-up delays an event, it never drops one
-                    log.warning("wake-up for %s failed: %r", group, result)
+            items = list(batch.items())
+            # A few at a time: each send in flight holds one of the layer's pooled connections (100 at most), and a
+            # commit that touched hundreds of tasks hands over hundreds of wake-ups at once.
+            for start in range(0, len(items), SENDS_AT_ONCE):
+                chunk = items[start:start + SENDS_AT_ONCE]
+                results = await asyncio.gather(
+                    *(layer.group_send(group, {"type": "task.wakeup", "seq": seq}) for group, seq in chunk),
+                    return_exceptions=True)
+                for (group, _), result in zip(chunk, results):
+                    if isinstance(result, BaseException):  # a lost wake-up delays an event, it never drops one
+                        log.warning("wake-up for %s failed: %r", group, result)
 
     def drain(self, timeout: float) -> bool:
         """Wait until every wake-up handed over so far has been sent (at exit, so none is left behind)."""

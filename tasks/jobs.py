@@ -25,7 +25,10 @@ def advance(task_id: int) -> None:
         task = leases.claim(task_id, owner=owner, now=now)
         if task is None:
             _watch_held_lease(task_id, now=now)
-            return
+            # A kick is a hint that steps are due: when another worker took this one, take the task due longest.
+            task = leases.claim_next(owner=owner, now=now)
+            if task is None:
+                return
         runner.run(task, owner=owner)
 
 

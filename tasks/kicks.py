@@ -4,20 +4,28 @@ nothing if nothing is due, so kicks may be lost or duplicated without harm.
 With the ORM broker a kick is a row in the same database: written inside the
 transaction that made the work due, it commits or rolls back with it. A delayed
 kick is the same row with its `lock` in the future; the broker delivers it then.
+Step kicks (`advance`) go under a key of their own, beside the cluster's queue
+(tasks/broker.py), so a worker running steps can ask "does other work wait?"
+without counting the hints for tasks it may take from the task table itself.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
 from django.utils import timezone
 from django_q.brokers import get_broker
 from django_q.humanhash import uuid as q_uuid
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
+
+from tasks import leases
+from tasks.broker import steps_key
 
 # Job name -> the function a worker runs, by dotted path. Apps built on tasks add theirs
 # with register_job at start (chat: "run").
@@ -28,6 +36,8 @@ JOBS = {
 }
 # Job name -> the django-q2 queue (cluster name) whose workers run it, when not the main one.
 QUEUES: dict[str, str] = {}
+# Jobs whose kicks are hints for a task due in the task table: the main cluster's step kicks.
+STEP_JOBS = frozenset({"advance"})
 
 
 def register_job(name: str, dotted_path: str, *, queue: str | None = None) -> None:
@@ -42,7 +52,9 @@ def register_job(name: str, dotted_path: str, *, queue: str | None = None) -> No
 
 
 def queue_of(job: str) -> str:
-    """The queue a kick of `job` goes to, whichever process kicks it."""
+    """The broker key a kick of `job` goes to, whichever process kicks it."""
+    if job in STEP_JOBS:
+        return steps_key(settings.Q_CLUSTER["name"])
     return QUEUES.get(job) or settings.Q_CLUSTER["name"]
 
 
@@ -76,5 +88,29 @@ def withdraw(kick_id: int) -> None:
     OrmQ.objects.filter(pk=kick_id).delete()
 
 
-def other_work_waiting(*, now: datetime) -> bool:
-    return OrmQ.objects.filter(key=_queue_key(), lock__lte=now).exists()
+@dataclass(frozen=True)
+class Waiting:
+    jobs: bool  # due work in this cluster's own queue: gateway jobs, deliveries, sweeps
+    steps: bool  # another task whose step is due, held by nobody (its kick, if any, is only a hint)
+
+
+def waiting(*, now: datetime, besides: int) -> Waiting:
+    """What waits for a worker that has just run a step of task `besides`: one statement."""
+    jobs = OrmQ.objects.filter(key=_queue_key(), lock__lte=now).values("pk")
+    steps = leases.due(now).exclude(pk=besides).values("pk")
+    jobs_sql, jobs_params = jobs[:1].query.sql_with_params()
+    steps_sql, steps_params = steps[:1].query.sql_with_params()
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params))
+        found_jobs, found_steps = cursor.fetchone()
+    return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
+
+
+def kick_one_due(task_ids: set[int], *, now: datetime) -> int | None:
+    """Kick the task due longest of `task_ids` that nobody holds: tasks a worker released without a kick
+    while it went on to others (tasks/runner.py), when its turn ends. One kick is enough: the worker it
+    reaches goes on to the others. Returns that task's id, or None when none is left due."""
+    first = leases.due(now).filter(pk__in=task_ids).order_by("next_run_at", "pk").values_list("pk", flat=True).first()
+    if first is not None:
+        kick("advance", first)
+    return first

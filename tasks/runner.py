@@ -14,6 +14,7 @@ import json
 import logging
 import time
 import traceback
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -60,33 +61,65 @@ ALREADY_TRACKED = "this remote task is already tracked by another of your tasks"
 MAX_REMOTE_ERROR_CHARS = 4000  # a remote task's last poll or cancel error, as stored
 
 
+@dataclass
+class Turn:
+    """One job's turn at running steps, until its slice ends."""
+
+    owner: str
+    ends: float  # time.monotonic() when the worker goes back to the broker
+    # Released due without a kick while the worker went on to other tasks: the one due longest is kicked when the
+    # turn ends (whoever takes it goes on to the rest), unless another worker took them all meanwhile.
+    released: set[int] = field(default_factory=set)
+    waiting: kicks.Waiting | None = None  # what the last step's probe found (None: it did not probe)
+
+    def lasts(self) -> bool:
+        return not draining.is_set() and time.monotonic() < self.ends
+
+
 def run(task: Task, *, owner: str) -> None:
-    """Run steps of a task this worker has just claimed, until it yields, waits or ends."""
-    slice_ends = time.monotonic() + settings.LONGHAUL_STEP_SLICE_MS / 1000
+    """Run steps of a task this worker has just claimed, then of the tasks due after it, until the
+    slice ends, other work waits or nothing is due."""
+    turn = Turn(owner, ends=time.monotonic() + settings.LONGHAUL_STEP_SLICE_MS / 1000)
     current: Task | None = task
     carried: dict | None = None
-    while current is not None:
-        try:
-            current, carried = run_step(current, owner=owner, slice_ends=slice_ends, carried=carried)
-        except LeaseLost:
-            # Another worker owns the task now; this one writes nothing more.
-            log.warning("task %s: lease lost, stopping", task.pk)
-            return
+    try:
+        while current is not None:
+            try:
+                kept, carried = run_step(current, turn=turn, carried=carried)
+            except LeaseLost:
+                # Another worker owns the task now; this one writes nothing more to it.
+                log.warning("task %s: lease lost, stopping", current.pk)
+                return
+            current = kept if kept is not None else _go_on(turn)
+    finally:
+        if turn.released:
+            kicks.kick_one_due(turn.released, now=clock.now())
 
 
-def run_step(task: Task, *, owner: str, slice_ends: float,
-             carried: dict | None = None) -> tuple[Task | None, dict | None]:
+def _go_on(turn: Turn) -> Task | None:
+    """The task due longest, claimed, when the turn lasts, other steps are due and no other job waits."""
+    if not turn.lasts():
+        return None
+    waiting = turn.waiting or kicks.waiting(now=clock.now(), besides=0)
+    if waiting.jobs or not waiting.steps:
+        return None
+    return leases.claim_next(owner=turn.owner, now=clock.now())
+
+
+def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Task | None, dict | None]:
     """One step. Returns the task and the state it checkpointed when this worker keeps the lease for
     the next step, which then runs in place: `carried` is that state, so the next step reads nothing
     the commit before it just wrote or checked (its checkpoint, calls still out, a stop request)."""
     token = task.fencing_token
     now = clock.now()
+    turn.waiting = None
     if task.cancel_requested_at:
         remote = remote_cancelling(driver_or_none(task.kind))
         if remote is not None:
             checkpoint = latest_checkpoint(task)
             if remote.remote_to_cancel(task.pk, checkpoint.state if checkpoint else None):
-                return _cancel_remotely(task, token, remote, checkpoint.state if checkpoint else {}, owner=owner), None
+                return _cancel_remotely(task, token, remote, checkpoint.state if checkpoint else {},
+                                        owner=turn.owner), None
         return _stop_at_safe_point(task, token, CancelRequested()), None
     if task.pause_requested_at:
         return _stop_at_safe_point(task, token, PauseRequested()), None
@@ -126,7 +159,7 @@ def run_step(task: Task, *, owner: str, slice_ends: float,
     # The claim or the commit that handed this worker the task read its stop requests and fencing token
     # a moment ago: the step's first safe point need not read them again.
     ctx = StepContext(task, token=token, checked=True)
-    heartbeat.hold(task.pk, owner=owner, token=token)
+    heartbeat.hold(task.pk, owner=turn.owner, token=token)
     try:
         ctx.check_safe_point()
         outcome = driver.step(state, ctx)
@@ -145,19 +178,21 @@ def run_step(task: Task, *, owner: str, slice_ends: float,
     finally:
         heartbeat.drop(task.pk)
 
-    keep = (
-        isinstance(outcome, Continue)
-        and not draining.is_set()
-        and time.monotonic() < slice_ends
-        and not kicks.other_work_waiting(now=clock.now())
-    )
-    kept = _commit(task, token, driver, outcome, ctx, keep_lease=keep, state_before=state)
+    # The task's next step: in place when nothing else waits; at the back of the line, with no kick, when
+    # other tasks' steps are due (this worker goes on to the task due longest); else by a kick.
+    if isinstance(outcome, Continue) and turn.lasts():
+        turn.waiting = kicks.waiting(now=clock.now(), besides=task.pk)
+    going_on = turn.waiting is not None and not turn.waiting.jobs
+    kept = _commit(task, token, driver, outcome, ctx, keep_lease=going_on and not turn.waiting.steps,
+                   unkicked=turn.released if going_on else None, state_before=state)
     # What a step resumed from the database would read: JSON, so a step run in place sees the same types.
     return kept, (json.loads(json.dumps(outcome.state)) if kept is not None else None)
 
 
 def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,
-            keep_lease: bool, state_before: dict | None = None) -> Task | None:
+            keep_lease: bool, unkicked: set[int] | None = None, state_before: dict | None = None) -> Task | None:
+    """`unkicked`: a task released with its next step due now is noted there instead of kicked (the
+    worker goes on to the task due longest, and at the end of its turn kicks the noted one due longest)."""
     now = clock.now()
     events = [*ctx.events, *outcome.events]
     with transaction.atomic():
@@ -171,7 +206,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                 Checkpoint.objects.create(task_id=task.pk, step=task.current_step, fencing_token=token,
                                           state=outcome.state, schema_version=driver.schema_version, at=now)
                 if not keep_lease:
-                    kicks.kick("advance", task.pk)
+                    _hand_on(task.pk, unkicked)
                     return None
                 return task
         fresh = leases.lock_fenced(task.pk, token)
@@ -220,9 +255,17 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             must_win(transitions.yield_slot(fresh, token=token, now=now))
             return None
         if not keep:
-            kicks.kick("advance", task.pk)
+            _hand_on(task.pk, unkicked)
             return None
         return fresh
+
+
+def _hand_on(task_id: int, unkicked: set[int] | None) -> None:
+    """A task released with its next step due: kicked, or noted for the end of the worker's turn."""
+    if unkicked is None:
+        kicks.kick("advance", task_id)
+    else:
+        unkicked.add(task_id)
 
 
 def _plain(outcome: Outcome) -> bool:

@@ -207,7 +207,8 @@ class SupervisedSentinel(Sentinel):
             return False
         due_before = timezone.now() - timedelta(seconds=self.stall_seconds)
         try:
-            return self.broker.get_connection().filter(key=self.broker.list_key, lock__lte=due_before).exists()
+            keys = getattr(self.broker, "keys", (self.broker.list_key,))  # tasks/broker.py: its queue and step kicks
+            return self.broker.get_connection().filter(key__in=keys, lock__lte=due_before).exists()
         except db.DatabaseError:
             log.debug("stall watch: the broker table is out of reach", exc_info=True)
             return False  # the pusher cannot reach it either; nothing a new cluster would do better

@@ -16,11 +16,11 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from tasks import deletion, kicks, liveness, notifications, operations, retention, transitions
-from tasks.events import NewEvent, append
+from tasks import deletion, kicks, leases, liveness, notifications, operations, retention, transitions
 from tasks.alerts import raise_alert
+from tasks.events import NewEvent, append
 from tasks.models import Alert, AuditEntry, IdempotencyRecord, Task
-from tasks.statuses import CLAIMABLE, ErrorClass, TaskStatus
+from tasks.statuses import ErrorClass, TaskStatus
 
 log = logging.getLogger(__name__)
 # A task due for less than this is probably being kicked right now; don't pile on.
@@ -52,8 +52,7 @@ def run_once(*, now: datetime) -> dict[str, int]:
 def kick_due(now: datetime) -> int:
     """Tasks whose next step is due, held by nobody (or by a worker whose lease expired)."""
     ids = list(
-        Task.objects.filter(status__in=CLAIMABLE, next_run_at__lte=now - KICK_GRACE)
-        .filter(Q(lease_owner="") | Q(lease_expires_at__lt=now))
+        leases.due(now).filter(next_run_at__lte=now - KICK_GRACE)
         .order_by("next_run_at")
         .values_list("pk", flat=True)[: settings.LONGHAUL_SWEEP_BATCH]
     )

@@ -11,7 +11,7 @@ from django_q.signing import SignedPackage
 
 from chat import runs
 from chat.models import Run, Thread
-from tasks import clock
+from tasks import broker, clock
 from tests.factories import submit_sleep
 from tests.integration.chatting import queued_jobs
 
@@ -112,4 +112,7 @@ def test_chat_runs_are_kicked_on_their_own_queue_and_task_steps_on_the_main_one(
     packages = [(SignedPackage.loads(row.payload), row.key) for row in OrmQ.objects.all()]
     keys = {(package["func"], package["args"][0]): key for package, key in packages}
     assert keys[("chat.jobs.run_agent", run.pk)] == settings.LONGHAUL_CHAT_QUEUE
-    assert keys[("tasks.jobs.advance", task.pk)] == settings.Q_CLUSTER["name"]
+    # A step kick goes under the main cluster's step key, which the main cluster's broker reads, the chat one's not.
+    step_key = keys[("tasks.jobs.advance", task.pk)]
+    assert step_key in broker.Broker(list_key=settings.Q_CLUSTER["name"]).keys
+    assert step_key not in broker.Broker(list_key=settings.LONGHAUL_CHAT_QUEUE).keys

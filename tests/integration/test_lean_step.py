@@ -46,7 +46,9 @@ def test_a_step_that_continues_in_place_sends_at_most_six_statements(acme, alice
     assert len(in_place) == 3, transactions
     for statements in in_place:
         assert len(statements) <= IN_PLACE_STATEMENTS, statements
-        reads = [sql for sql in statements if sql.startswith("SELECT") and "tasks_" in sql]
+        # (The probe asks whether other tasks are due: it reads no row this task's commit wrote.)
+        reads = [sql for sql in statements
+                 if sql.startswith("SELECT") and "tasks_" in sql and not sql.startswith("SELECT EXISTS(")]
         assert not reads, f"a step run in place read again what its last commit wrote: {reads}"
         updates = [sql for sql in statements if sql.startswith("UPDATE")]
         assert len(updates) == 1, f"the fence, the step and the event seqs are one UPDATE: {updates}"

@@ -77,3 +77,14 @@ def test_it_delivers_the_wakeups_of_committed_events_through_redis(acme, alice):
     assert seqs[-1] == last
     assert seqs == sorted(seqs) and len(seqs) <= 20, "wake-ups queued behind a send merge into one"
     assert all(seq > first for seq in seqs), "the rolled-back append sent nothing"
+
+
+def test_a_burst_of_wakeups_never_runs_out_of_redis_connections(caplog):
+    # A commit that touches hundreds of tasks (a bulk submission, a tenant's cancel) hands over as many
+    # wake-ups at once: the sender must not open a connection for each, beyond the pool's 100.
+    groups = [f"burst-{n}" for n in range(400)]
+    with caplog.at_level("WARNING", logger="tasks.events"):
+        for group in groups:
+            events.wake_group(group, seq=1)
+        assert events.wakeup_sender().drain(timeout=20)
+    assert not [r for r in caplog.records if "failed" in r.getMessage()], caplog.records[:3]
