@@ -8,13 +8,13 @@ import socket
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q, QuerySet
 
 from tasks import transitions
 from tasks.errors import LeaseLost
 from tasks.models import Task
-from tasks.statuses import CLAIMABLE
+from tasks.statuses import CLAIMABLE, TaskStatus
 
 
 def worker_identity() -> str:
@@ -41,7 +41,38 @@ def claim(task_id: int, *, owner: str, now: datetime) -> Task | None:
 def claim_next(*, owner: str, now: datetime) -> Task | None:
     """Take the lease of the task due longest that nobody holds; None if there is none. A worker that has
     just run a step goes on with this one instead of a broker round trip (tasks/runner.py)."""
-    return _claim(due(now).order_by("next_run_at", "pk"), owner=owner, now=now)
+    if connection.vendor != "postgresql":
+        return _claim(due(now).order_by("next_run_at", "pk"), owner=owner, now=now)
+    running = TaskStatus.RUNNING.value
+    params = [running, *sorted(str(status) for status in CLAIMABLE), now, now,
+              running, now, owner, now + timedelta(seconds=lease_seconds()), now]
+    picked = next(iter(Task.objects.raw(_CLAIM_NEXT.format(task=Task._meta.db_table), params)), None)
+    if picked is None or picked.claimed:
+        return picked
+    # A retry, a takeover or a first claim: transitions.claim writes its event or admission record.
+    return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now)
+
+
+# leases.due() in one statement, oldest first: the task due longest is locked; when it is between two
+# steps (no takeover, no retry, not its first claim) it is claimed as transitions.claim would (no event, no
+# admission record then) and returned with `claimed`; otherwise it is returned as it is, for the full claim.
+_CLAIM_NEXT = """
+WITH picked AS (
+    SELECT id, (status = %s AND lease_owner = '' AND (current_step > 0 OR attempts > 0)) AS plain
+    FROM {task}
+    WHERE status IN (%s, %s) AND next_run_at <= %s AND (lease_owner = '' OR lease_expires_at < %s)
+    ORDER BY next_run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
+), taken AS (
+    UPDATE {task} t SET status = %s, version = t.version + 1, updated_at = %s, lease_owner = %s,
+        lease_expires_at = %s, heartbeat_at = %s, fencing_token = t.fencing_token + 1,
+        attempts = t.attempts + 1, waiting_reason = ''
+    FROM picked WHERE t.id = picked.id AND picked.plain
+    RETURNING t.*
+)
+SELECT taken.*, true AS claimed FROM taken
+UNION ALL
+SELECT t.*, false AS claimed FROM {task} t JOIN picked ON picked.id = t.id WHERE NOT picked.plain
+"""
 
 
 def _claim(rows: QuerySet[Task], *, owner: str, now: datetime) -> Task | None:

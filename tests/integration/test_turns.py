@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 from django.conf import settings as django_settings
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
@@ -116,3 +118,32 @@ def test_a_kick_for_a_task_somebody_else_took_takes_the_task_due_longest(acme, a
     assert second.status == TaskStatus.SUCCEEDED
     first.refresh_from_db()
     assert (first.status, first.lease_owner) == (TaskStatus.RUNNING, "worker:2")
+
+
+def test_a_task_between_steps_is_claimed_in_one_statement_and_moves_its_fence(acme, alice):
+    task = submit_sleep(acme, alice, steps=3)
+    first = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    Task.objects.filter(pk=task.pk).update(lease_owner="", lease_expires_at=None, current_step=1, attempts=0)
+    before = Task.objects.get(pk=task.pk)
+
+    with CaptureQueriesContext(connection) as queries:
+        taken = leases.claim_next(owner="worker:2", now=clock.now())
+
+    assert taken is not None and taken.pk == task.pk
+    assert len(queries.captured_queries) == (1 if connection.vendor == "postgresql" else 4)
+    row = Task.objects.get(pk=task.pk)
+    assert (row.lease_owner, row.fencing_token, row.version, row.attempts) == (
+        "worker:2", first.fencing_token + 1, before.version + 1, 1)
+    assert (taken.lease_owner, taken.fencing_token, taken.version, taken.input) == (
+        row.lease_owner, row.fencing_token, row.version, row.input)
+    assert leases.claim_next(owner="worker:3", now=clock.now()) is None, "held now"
+
+
+def test_a_retry_due_is_claimed_with_its_event_by_the_full_claim(acme, alice):
+    task = submit_sleep(acme, alice, steps=3)
+    Task.objects.filter(pk=task.pk).update(status=TaskStatus.RETRY_WAIT, current_step=1, retries=1)
+
+    taken = leases.claim_next(owner="worker:2", now=clock.now())
+
+    assert taken is not None and taken.status == TaskStatus.RUNNING
+    assert task.events.filter(kind="retrying").exists()
