@@ -355,6 +355,8 @@ LONGHAUL_SHED_THRESHOLD = envfloat("LONGHAUL_SHED_THRESHOLD", 0.8, minimum=0.01,
 # The highest Tenant.weight anyone may set: a tenant admin edits their own tenant's quotas.
 LONGHAUL_MAX_TENANT_WEIGHT = envint("LONGHAUL_MAX_TENANT_WEIGHT", 10, minimum=1)
 LONGHAUL_SWEEP_BATCH = envint("LONGHAUL_SWEEP_BATCH", 500, minimum=1)
+# Rows a liveness rule over every task waiting on a call reads per sweep, on from the last pass (tasks/liveness.py).
+LONGHAUL_LIVENESS_SLICE = envint("LONGHAUL_LIVENESS_SLICE", 1000, minimum=1)
 # Gateway pools (project/pools.py): defaults per kind of call, LONGHAUL_POOLS for one pool (JSON).
 LONGHAUL_MODEL_CONCURRENCY = envint("LONGHAUL_MODEL_CONCURRENCY", 32, minimum=1)
 LONGHAUL_TOOL_CONCURRENCY = envint("LONGHAUL_TOOL_CONCURRENCY", 64, minimum=1)

@@ -16,6 +16,11 @@ going) and operations (pending or leased while their task waits, or closed when 
 `find_violations` lists the rows that break a rule, read-only, with indexed queries
 bounded by the sweep batch; `repair` fixes each and raises an alert naming the row and
 the rule (nothing is repaired silently); /metrics counts repairs by rule.
+
+The rules whose candidates are every task waiting on a call, or every call not finished (ten
+thousand of each while as many remote jobs run for hours), look at a rotating slice each pass
+(LONGHAUL_LIVENESS_SLICE, by id, on from where the last pass stopped), so a pass costs the
+same at a thousand and at ten thousand: such a row is found within ceil(rows / slice) passes.
 """
 
 from __future__ import annotations
@@ -26,8 +31,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
+from django.core.cache import cache
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
 from tasks import kicks, notifications, operations, scheduling, transitions
 from tasks.alerts import raise_alert
@@ -53,6 +59,26 @@ class Violation:
 # --- the rules ---------------------------------------------------------------------
 
 
+def in_turn(rows: QuerySet, rule: str) -> QuerySet:
+    """`rows` narrowed to this pass's slice: the next LONGHAUL_LIVENESS_SLICE of them by id after where
+    `rule`'s last pass stopped, or all those left, the next pass starting again from the first. A range of
+    ids, read off the index that `rows` use. The cursor is kept in the cache (Redis, shared by every
+    process, when there is one); without it a pass starts from the first row."""
+    size = settings.LONGHAUL_LIVENESS_SLICE
+    key = f"liveness-slice:{rule}"
+    try:
+        after = int(cache.get(key) or 0)
+    except Exception:  # the cache is out of reach: this pass takes the first slice
+        log.warning("liveness: no slice cursor for rule %s", rule, exc_info=True)
+        after = 0
+    upto = rows.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[size - 1:size].first()
+    try:
+        cache.set(key, upto or 0, timeout=None)
+    except Exception:
+        log.warning("liveness: the slice cursor of rule %s was not kept", rule, exc_info=True)
+    return rows.filter(pk__gt=after) if upto is None else rows.filter(pk__gt=after, pk__lte=upto)
+
+
 def _unfinished_ops_of_last_step() -> Exists:
     # Not a watch call (task:step:w<n>): it runs while the owner is asked, and makes nothing due.
     return Exists(Operation.objects.filter(task=OuterRef("pk"), step=OuterRef("current_step") - 1,
@@ -64,8 +90,8 @@ def waits_for_nothing(limit: int) -> list[Task]:
     """Waiting for operations (waiting_tool, or running for the model) that have all finished:
     their last completion did not make the task due (rule `operations_done_unnoticed`)."""
     waiting = Q(status=S.WAITING_TOOL) | Q(status=S.RUNNING, waiting_reason__in=("model", "tool"))
-    return list(Task.objects.filter(waiting, lease_owner="", next_run_at__isnull=True)
-                .exclude(_unfinished_ops_of_last_step())[:limit])
+    candidates = Task.objects.filter(waiting, lease_owner="", next_run_at__isnull=True)  # task_waiting_calls_idx
+    return list(in_turn(candidates, "operations_done_unnoticed").exclude(_unfinished_ops_of_last_step())[:limit])
 
 
 def never_due(limit: int) -> list[Task]:
@@ -112,7 +138,8 @@ def orphaned_operations(now: datetime, limit: int) -> list[Operation]:
     # A watch call (task:step:w<n>) runs only while its task waits for the answer to the step that asked.
     unwatched = Q(key__contains=f":{operations.WATCH_PREFIX}") & ~Q(task__status__in=sorted(TERMINAL)) & ~(
         Q(task__status=S.WAITING_INPUT) & Q(step=F("task__current_step") - 1))
-    return list(Operation.objects.filter(ended | unwatched, status__in=UNFINISHED_OPS)
+    candidates = Operation.objects.filter(status__in=UNFINISHED_OPS)  # operation_unfinished_idx
+    return list(in_turn(candidates, "operation_orphaned").filter(ended | unwatched)
                 .filter(Q(status=OperationStatus.PENDING, created_at__lt=grace)
                         | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
                 .select_related("task")[:limit])

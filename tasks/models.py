@@ -329,6 +329,10 @@ class Operation(SealedModel):
             # operations.claim_batch and pool counts: operations in flight, by lease expiry.
             models.Index(fields=["pool", "lease_expires_at"], name="operation_pool_inflight_idx",
                          condition=Q(status="started", mode="gateway")),
+            # operations.due_exists (the sweeper) and claims: pending gateway calls by the time they are due.
+            models.Index(fields=["not_before"], name="operation_due_idx", condition=Q(status="pending", mode="gateway")),
+            # liveness.orphaned_operations: the calls not yet finished, a slice of them by id each pass.
+            models.Index(fields=["id"], name="operation_unfinished_idx", condition=Q(status__in=["pending", "started"])),
         ]
 
     def __str__(self) -> str:

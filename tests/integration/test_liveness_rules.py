@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.core.cache import cache
 
 from tasks import clock, liveness, sweeper
 from tasks.models import Alert, Operation, Task
@@ -106,3 +107,29 @@ def test_a_notification_waiting_with_nothing_to_deliver_it_is_made_pending(acme,
     assert set(Task.objects.filter(pk__in=[stuck.pk, untold.pk]).values_list("notification_status", flat=True)) \
         == {N.PENDING}
     assert rules() == []
+
+
+def test_a_rule_over_every_task_waiting_on_a_call_reads_one_slice_a_pass(acme, alice, settings):
+    # Ten thousand tasks waiting on remote jobs must not make every pass read them all: each pass reads the
+    # next slice, and every such task is looked at within ceil(rows / slice) passes.
+    settings.LONGHAUL_LIVENESS_SLICE = 2
+    cache.delete("liveness-slice:operations_done_unnoticed")
+    stranded = []
+    for _ in range(5):
+        task = make_task(acme, alice, status=S.RUNNING, next_run_at=None, current_step=1, waiting_reason="model")
+        operation(task, status=OperationStatus.SUCCEEDED)
+        stranded.append(task.pk)
+    passes = [sorted(t.pk for t in liveness.waits_for_nothing(limit=100)) for _ in range(4)]
+    assert passes == [stranded[0:2], stranded[2:4], stranded[4:5], stranded[0:2]]
+
+
+def test_an_orphaned_call_is_found_in_its_slice(acme, alice, settings):
+    settings.LONGHAUL_LIVENESS_SLICE = 1
+    cache.delete("liveness-slice:operation_orphaned")
+    old = clock.now() - timedelta(hours=1)
+    waiting = make_task(acme, alice, status=S.WAITING_TOOL, next_run_at=None, current_step=1, waiting_reason="tool")
+    operation(waiting, status=OperationStatus.PENDING, created_at=old)  # its task waits for it: no orphan
+    ended = make_task(acme, alice, status=S.SUCCEEDED)
+    orphan = operation(ended, status=OperationStatus.PENDING, created_at=old)
+    found = [[op.pk for op in liveness.orphaned_operations(clock.now(), 100)] for _ in range(3)]
+    assert found == [[], [orphan.pk], []]
