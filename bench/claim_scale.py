@@ -2,7 +2,7 @@
 flat within 1.5x from the smallest size to the largest, with the indexes each query uses.
 
     DATABASE_URL=postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench \\
-        .venv/bin/python bench/claim_scale.py --rows 10000,200000,1000000
+        .venv/bin/python bench/claim_scale.py --rows 10000,1000000
 
 One tenant of our own holds 200 due tasks (claimable), 50 queued ones and one thread; terminal
 tasks are then added with INSERT ... SELECT FROM generate_series until the table holds each size
@@ -11,6 +11,7 @@ VACUUM ANALYZE, as autovacuum would have done on a table that grew over time. At
 operations run round robin (so a burst of load from elsewhere hits all of them alike):
 
 - claim: tasks.leases.claim of a due task (the whole transaction), reset between passes;
+- claim next: tasks.leases.claim_next, the task due longest, as a worker going on within its turn takes it;
 - detail: tasks.api.get_visible_task + TaskSerializer, what GET /api/tasks/{id} does;
 - list: the GET /api/tasks page (visible tasks, newest id first, 51 rows) serialized;
 - panel: chat.api.panel_tasks of the thread (the side panel's query);
@@ -45,7 +46,7 @@ FLAT_TARGET = 1.5
 HOT = 200
 QUEUED = 50
 DUE_FOR = timedelta(seconds=10)  # past the sweeper's grace, so its scan finds the due tasks
-JUDGED = ("claim", "detail", "list", "panel")
+JUDGED = ("claim", "claim next", "detail", "list", "panel")
 LIMITS = {"repeat": 5000}
 MAX_ROWS = 5_000_000
 
@@ -197,6 +198,12 @@ class Operations:
         self.next_hot += 1
         assert leases.claim(task_id, owner="bench:claim", now=clock.now()) is not None
 
+    def claim_next(self) -> None:
+        if self.next_hot >= len(self.hot):
+            self.reset_hot()
+        self.next_hot += 1
+        assert leases.claim_next(owner="bench:claim", now=clock.now()) is not None
+
     def detail(self) -> None:
         public_id = self.public_ids[self.next_read % len(self.public_ids)]
         self.next_read += 1
@@ -223,7 +230,7 @@ class Operations:
             cursor.fetchone()
 
     def all(self) -> dict[str, Callable[[], None]]:
-        return {"claim": self.claim, "detail": self.detail, "list": self.list, "panel": self.panel,
+        return {"claim": self.claim, "claim next": self.claim_next, "detail": self.detail, "list": self.list, "panel": self.panel,
                 "due scan": self.raw("due scan"), "outbox scan": self.raw("outbox scan"),
                 "admission": self.raw("admission"), "SELECT 1": self.select_one}
 
@@ -236,7 +243,7 @@ class Operations:
             return list(dict.fromkeys(names))
 
         self.reset_hot()
-        plans = {"claim": of(self.claim), "detail": of(self.detail), "list": of(self.list), "panel": of(self.panel)}
+        plans = {"claim": of(self.claim), "claim next": of(self.claim_next), "detail": of(self.detail), "list": of(self.list), "panel": of(self.panel)}
         for name in ("due scan", "outbox scan", "admission"):
             names: list[str] = []
             for statement in self.sql[name].split("\n;\n"):
@@ -274,7 +281,7 @@ def measure(ops: Operations, repeat: int) -> tuple[dict[str, list[float]], int]:
 # --- the benchmark -----------------------------------------------------------------------
 
 
-def run(*, sizes: tuple[int, ...] = (10_000, 200_000), repeat: int = 300) -> h.Report:
+def run(*, sizes: tuple[int, ...] = (10_000, 1_000_000), repeat: int = 300) -> h.Report:
     h.migrate_if_needed()
     sizes = tuple(sorted(sizes))
     report = h.Report(
@@ -345,7 +352,7 @@ def run(*, sizes: tuple[int, ...] = (10_000, 200_000), repeat: int = 300) -> h.R
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="10000,200000",
+    parser.add_argument("--rows", default="10000,1000000",
                         help="comma-separated table sizes, e.g. 10000,200000,1000000 (at most 5,000,000)")
     parser.add_argument("--repeat", type=int, default=300, help="timings of each operation at each size")
     args = parser.parse_args()
