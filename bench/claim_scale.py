@@ -39,6 +39,7 @@ from chat.api import panel_tasks
 from chat.models import Thread
 from tasks import api, clock, leases, notifications, scheduling, sweeper
 from tasks.models import Task
+from tasks.sealed import Sealed, SealedFieldMixin
 from tasks.serializers import TaskSerializer
 from tasks.statuses import HOLDS_SLOT, TaskStatus
 
@@ -107,6 +108,8 @@ def grow(scope: h.Scope, bulk_owner: Any, thread: Thread, count: int) -> None:
             values.append("NULL")
         else:
             name = f"d_{f.column}"
+            if isinstance(f, SealedFieldMixin):  # sealed for the tenant, as save() would (one token for every row)
+                default = Sealed(scope.tenant.pk, default)
             value = f.get_db_prep_save(default, connection)
             params[name] = json.dumps(value) if isinstance(value, (dict, list)) else value
             values.append(f"%({name})s" + ("::jsonb" if f.get_internal_type() == "JSONField" else ""))

@@ -209,6 +209,9 @@ class Task(SealedModel):
             # api: a tenant's tasks, newest first.
             models.Index(fields=["tenant", "-created_at"], name="task_tenant_recent_idx"),
             models.Index(fields=["thread", "-created_at"], name="task_thread_recent_idx"),
+            # chat.api.panel_tasks: a thread's tasks not ended, newest first, however many have ended in it.
+            models.Index(fields=["thread", "-created_at"], name="task_thread_active_idx",
+                         condition=~Q(status__in=sorted(TERMINAL))),
             # metrics: parked tasks per tenant.
             models.Index(fields=["tenant", "status"], name="task_parked_idx",
                          condition=Q(status__in=["partial", "paused", "waiting_input"])),
