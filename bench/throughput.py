@@ -435,6 +435,21 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                  f"{h.percentile(handoff_us, 99):.1f} µs", h.percentile(handoff_us, 99) < WAKEUP_HANDOFF_TARGET_US),
         h.Target("no wake-up errors", f"{wakeup_failures} logged", wakeup_failures == 0),
     ]
+    if peer is not None and lh < dbos_rate:
+        report.notes.append(
+            f"Why Longhaul's steps/s stay below DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
+            f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step: the probe; "
+            "the fenced commit (its UPDATE, the events and the checkpoint, with BEGIN and COMMIT); the one-statement "
+            "claim; the reads of the checkpoint and of the calls still out. Each UPDATE of the task row also writes "
+            "every one of its indexes, since the due time and the lease columns are indexed and no update is HOT. A "
+            "DBOS step writes one row. What would close it: the lease and due-time columns in a narrow table of their "
+            "own, the claim with the checkpoint read and the calls-out check in one statement, and several tasks' "
+            "steps committed together.")
+    if peer is not None and e2e_p50 > queued_p50:
+        report.notes.append(
+            f"Why one task alone takes longer: its 5 steps take about {5 * p50_gap:.0f} ms ({p50_gap:.1f} ms each). "
+            f"The rest of its {e2e_p50:.0f} ms is django-q2 taking its first kick from the broker, which it polls "
+            "every 50 ms (LONGHAUL_Q_POLL); DBOS's queue polls every 50 ms as well.")
     return report
 
 

@@ -106,11 +106,16 @@ def waiting(*, now: datetime, besides: int) -> Waiting:
     return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
 
 
-def kick_one_due(task_ids: set[int], *, now: datetime) -> int | None:
-    """Kick the task due longest of `task_ids` that nobody holds: tasks a worker released without a kick
-    while it went on to others (tasks/runner.py), when its turn ends. One kick is enough: the worker it
-    reaches goes on to the others. Returns that task's id, or None when none is left due."""
-    first = leases.due(now).filter(pk__in=task_ids).order_by("next_run_at", "pk").values_list("pk", flat=True).first()
+def kick_advance(task_id: int) -> None:
+    """Ask a worker to run the task's next step now."""
+    kick("advance", task_id)
+
+
+def kick_first_due(*, now: datetime) -> int | None:
+    """Kick the task due longest that nobody holds, if there is one; returns its id. A worker ends its turn
+    with this: whatever it left due (the tasks it released without a kick, or another turn's), the worker
+    the kick reaches goes on to the rest, so a due task always has a kick or a worker's turn on its way."""
+    first = leases.due(now).order_by("next_run_at", "pk").values_list("pk", flat=True).first()
     if first is not None:
         kick("advance", first)
     return first

@@ -46,7 +46,8 @@ def claim_next(*, owner: str, now: datetime) -> Task | None:
     running = TaskStatus.RUNNING.value
     params = [running, *sorted(str(status) for status in CLAIMABLE), now, now,
               running, now, owner, now + timedelta(seconds=lease_seconds()), now]
-    picked = next(iter(Task.objects.raw(_CLAIM_NEXT.format(task=Task._meta.db_table), params)), None)
+    sql = _CLAIM_NEXT.format(task=Task._meta.db_table, claimable=", ".join(["%s"] * len(CLAIMABLE)))
+    picked = next(iter(Task.objects.raw(sql, params)), None)
     if picked is None or picked.claimed:
         return picked
     # A retry, a takeover or a first claim: transitions.claim writes its event or admission record.
@@ -60,7 +61,7 @@ _CLAIM_NEXT = """
 WITH picked AS (
     SELECT id, (status = %s AND lease_owner = '' AND (current_step > 0 OR attempts > 0)) AS plain
     FROM {task}
-    WHERE status IN (%s, %s) AND next_run_at <= %s AND (lease_owner = '' OR lease_expires_at < %s)
+    WHERE status IN ({claimable}) AND next_run_at <= %s AND (lease_owner = '' OR lease_expires_at < %s)
     ORDER BY next_run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
 ), taken AS (
     UPDATE {task} t SET status = %s, version = t.version + 1, updated_at = %s, lease_owner = %s,

@@ -19,8 +19,9 @@ the rule (nothing is repaired silently); /metrics counts repairs by rule.
 
 The rules whose candidates are every task waiting on a call, or every call not finished (ten
 thousand of each while as many remote jobs run for hours), look at a rotating slice each pass
-(LONGHAUL_LIVENESS_SLICE, by id, on from where the last pass stopped), so a pass costs the
-same at a thousand and at ten thousand: such a row is found within ceil(rows / slice) passes.
+(LONGHAUL_LIVENESS_SLICE, by id, on from where the last pass stopped: SweepCursor), so a pass
+costs the same at a thousand and at ten thousand: such a row is found within ceil(rows / slice)
+passes.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.core.cache import cache
 from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 
 from tasks import kicks, notifications, operations, scheduling, transitions
 from tasks.alerts import raise_alert
-from tasks.models import Alert, Operation, Task
+from tasks.models import Alert, Operation, SweepCursor, Task
 from tasks.statuses import CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
 
 log = logging.getLogger(__name__)
@@ -59,24 +59,20 @@ class Violation:
 # --- the rules ---------------------------------------------------------------------
 
 
-def in_turn(rows: QuerySet, rule: str) -> QuerySet:
-    """`rows` narrowed to this pass's slice: the next LONGHAUL_LIVENESS_SLICE of them by id after where
-    `rule`'s last pass stopped, or all those left, the next pass starting again from the first. A range of
-    ids, read off the index that `rows` use. The cursor is kept in the cache (Redis, shared by every
-    process, when there is one); without it a pass starts from the first row."""
+def in_turn(rows: QuerySet, rule: str, find: Callable[[QuerySet], QuerySet], *, limit: int) -> list:
+    """`find` over this pass's slice of `rows`, by id, at most `limit`: the next LONGHAUL_LIVENESS_SLICE rows
+    after where `rule`'s last pass stopped, or all those left (the next pass then starts again from the
+    first). The slice is a range of ids read off the index `rows` use. The rule's cursor (SweepCursor) moves
+    past the slice, or only past the last row found when `limit` cut the list short."""
     size = settings.LONGHAUL_LIVENESS_SLICE
-    key = f"liveness-slice:{rule}"
-    try:
-        after = int(cache.get(key) or 0)
-    except Exception:  # the cache is out of reach: this pass takes the first slice
-        log.warning("liveness: no slice cursor for rule %s", rule, exc_info=True)
-        after = 0
+    after = SweepCursor.objects.filter(rule=rule).values_list("after_id", flat=True).first() or 0
     upto = rows.filter(pk__gt=after).order_by("pk").values_list("pk", flat=True)[size - 1:size].first()
-    try:
-        cache.set(key, upto or 0, timeout=None)
-    except Exception:
-        log.warning("liveness: the slice cursor of rule %s was not kept", rule, exc_info=True)
-    return rows.filter(pk__gt=after) if upto is None else rows.filter(pk__gt=after, pk__lte=upto)
+    window = rows.filter(pk__gt=after) if upto is None else rows.filter(pk__gt=after, pk__lte=upto)
+    found = list(find(window).order_by("pk")[:limit])
+    moved_to = found[-1].pk if len(found) == limit else (upto or 0)
+    if not SweepCursor.objects.filter(rule=rule).update(after_id=moved_to):
+        SweepCursor.objects.get_or_create(rule=rule, defaults={"after_id": moved_to})
+    return found
 
 
 def _unfinished_ops_of_last_step() -> Exists:
@@ -91,7 +87,8 @@ def waits_for_nothing(limit: int) -> list[Task]:
     their last completion did not make the task due (rule `operations_done_unnoticed`)."""
     waiting = Q(status=S.WAITING_TOOL) | Q(status=S.RUNNING, waiting_reason__in=("model", "tool"))
     candidates = Task.objects.filter(waiting, lease_owner="", next_run_at__isnull=True)  # task_waiting_calls_idx
-    return list(in_turn(candidates, "operations_done_unnoticed").exclude(_unfinished_ops_of_last_step())[:limit])
+    return in_turn(candidates, "operations_done_unnoticed", lambda rows: rows.exclude(_unfinished_ops_of_last_step()),
+                   limit=limit)
 
 
 def never_due(limit: int) -> list[Task]:
@@ -139,10 +136,11 @@ def orphaned_operations(now: datetime, limit: int) -> list[Operation]:
     unwatched = Q(key__contains=f":{operations.WATCH_PREFIX}") & ~Q(task__status__in=sorted(TERMINAL)) & ~(
         Q(task__status=S.WAITING_INPUT) & Q(step=F("task__current_step") - 1))
     candidates = Operation.objects.filter(status__in=UNFINISHED_OPS)  # operation_unfinished_idx
-    return list(in_turn(candidates, "operation_orphaned").filter(ended | unwatched)
-                .filter(Q(status=OperationStatus.PENDING, created_at__lt=grace)
-                        | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
-                .select_related("task")[:limit])
+    return in_turn(candidates, "operation_orphaned", lambda rows: (
+        rows.filter(ended | unwatched)
+        .filter(Q(status=OperationStatus.PENDING, created_at__lt=grace)
+                | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))
+        .select_related("task")), limit=limit)
 
 
 def notifications_not_due(limit: int) -> list[Task]:

@@ -398,6 +398,17 @@ class SleepEffect(models.Model):
     at = models.DateTimeField()
 
 
+class SweepCursor(models.Model):
+    """Where a liveness rule's rotating slice stopped on its last pass (tasks/liveness.py), kept here so every
+    worker process's sweep goes on from it."""
+
+    rule = models.CharField(max_length=64, unique=True)
+    after_id = models.BigIntegerField(default=0, help_text="The next pass reads the rows after this id.")
+
+    def __str__(self) -> str:
+        return f"{self.rule}: after {self.after_id}"
+
+
 class RetentionMark(models.Model):
     """How far the purge of one data class has gone (tasks/retention.py), and how much it purged."""
 

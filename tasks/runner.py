@@ -14,7 +14,8 @@ import json
 import logging
 import time
 import traceback
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -67,13 +68,16 @@ class Turn:
 
     owner: str
     ends: float  # time.monotonic() when the worker goes back to the broker
-    # Released due without a kick while the worker went on to other tasks: the one due longest is kicked when the
-    # turn ends (whoever takes it goes on to the rest), unless another worker took them all meanwhile.
-    released: set[int] = field(default_factory=set)
     waiting: kicks.Waiting | None = None  # what the last step's probe found (None: it did not probe)
+    handed_on: bool = False  # the last step released its task with a kick, which carries the work on
 
     def lasts(self) -> bool:
         return not draining.is_set() and time.monotonic() < self.ends
+
+    def hand_on(self, task_id: int) -> None:
+        """Inside the step's commit: the released task's kick (the turn ends)."""
+        kicks.kick_advance(task_id)
+        self.handed_on = True
 
 
 def run(task: Task, *, owner: str) -> None:
@@ -92,8 +96,10 @@ def run(task: Task, *, owner: str) -> None:
                 return
             current = kept if kept is not None else _go_on(turn)
     finally:
-        if turn.released:
-            kicks.kick_one_due(turn.released, now=clock.now())
+        if not turn.handed_on:
+            # Whatever is due (tasks this turn released without a kick, or another turn's) gets a kick, so the
+            # worker it reaches goes on to the rest: a due task always has a kick or a turn on its way.
+            kicks.kick_first_due(now=clock.now())
 
 
 def _go_on(turn: Turn) -> Task | None:
@@ -112,7 +118,7 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
     the commit before it just wrote or checked (its checkpoint, calls still out, a stop request)."""
     token = task.fencing_token
     now = clock.now()
-    turn.waiting = None
+    turn.waiting, turn.handed_on = None, False
     if task.cancel_requested_at:
         remote = remote_cancelling(driver_or_none(task.kind))
         if remote is not None:
@@ -184,15 +190,16 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
         turn.waiting = kicks.waiting(now=clock.now(), besides=task.pk)
     going_on = turn.waiting is not None and not turn.waiting.jobs
     kept = _commit(task, token, driver, outcome, ctx, keep_lease=going_on and not turn.waiting.steps,
-                   unkicked=turn.released if going_on else None, state_before=state)
+                   hand_on=None if going_on else turn.hand_on, state_before=state)
     # What a step resumed from the database would read: JSON, so a step run in place sees the same types.
     return kept, (json.loads(json.dumps(outcome.state)) if kept is not None else None)
 
 
 def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,
-            keep_lease: bool, unkicked: set[int] | None = None, state_before: dict | None = None) -> Task | None:
-    """`unkicked`: a task released with its next step due now is noted there instead of kicked (the
-    worker goes on to the task due longest, and at the end of its turn kicks the noted one due longest)."""
+            keep_lease: bool, hand_on: Callable[[int], None] | None = kicks.kick_advance,
+            state_before: dict | None = None) -> Task | None:
+    """`hand_on` kicks a task released with its next step due now; None: no kick, the
+    worker goes on to the task due longest (and kicks the task due longest when its turn ends)."""
     now = clock.now()
     events = [*ctx.events, *outcome.events]
     with transaction.atomic():
@@ -206,7 +213,8 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                 Checkpoint.objects.create(task_id=task.pk, step=task.current_step, fencing_token=token,
                                           state=outcome.state, schema_version=driver.schema_version, at=now)
                 if not keep_lease:
-                    _hand_on(task.pk, unkicked)
+                    if hand_on is not None:
+                        hand_on(task.pk)
                     return None
                 return task
         fresh = leases.lock_fenced(task.pk, token)
@@ -255,17 +263,10 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             must_win(transitions.yield_slot(fresh, token=token, now=now))
             return None
         if not keep:
-            _hand_on(task.pk, unkicked)
+            if hand_on is not None:
+                hand_on(task.pk)
             return None
         return fresh
-
-
-def _hand_on(task_id: int, unkicked: set[int] | None) -> None:
-    """A task released with its next step due: kicked, or noted for the end of the worker's turn."""
-    if unkicked is None:
-        kicks.kick("advance", task_id)
-    else:
-        unkicked.add(task_id)
 
 
 def _plain(outcome: Outcome) -> bool:

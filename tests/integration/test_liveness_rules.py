@@ -6,7 +6,6 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.core.cache import cache
 
 from tasks import clock, liveness, sweeper
 from tasks.models import Alert, Operation, Task
@@ -113,7 +112,6 @@ def test_a_rule_over_every_task_waiting_on_a_call_reads_one_slice_a_pass(acme, a
     # Ten thousand tasks waiting on remote jobs must not make every pass read them all: each pass reads the
     # next slice, and every such task is looked at within ceil(rows / slice) passes.
     settings.LONGHAUL_LIVENESS_SLICE = 2
-    cache.delete("liveness-slice:operations_done_unnoticed")
     stranded = []
     for _ in range(5):
         task = make_task(acme, alice, status=S.RUNNING, next_run_at=None, current_step=1, waiting_reason="model")
@@ -125,7 +123,6 @@ def test_a_rule_over_every_task_waiting_on_a_call_reads_one_slice_a_pass(acme, a
 
 def test_an_orphaned_call_is_found_in_its_slice(acme, alice, settings):
     settings.LONGHAUL_LIVENESS_SLICE = 1
-    cache.delete("liveness-slice:operation_orphaned")
     old = clock.now() - timedelta(hours=1)
     waiting = make_task(acme, alice, status=S.WAITING_TOOL, next_run_at=None, current_step=1, waiting_reason="tool")
     operation(waiting, status=OperationStatus.PENDING, created_at=old)  # its task waits for it: no orphan
@@ -133,3 +130,14 @@ def test_an_orphaned_call_is_found_in_its_slice(acme, alice, settings):
     orphan = operation(ended, status=OperationStatus.PENDING, created_at=old)
     found = [[op.pk for op in liveness.orphaned_operations(clock.now(), 100)] for _ in range(3)]
     assert found == [[], [orphan.pk], []]
+
+
+def test_a_slice_with_more_to_repair_than_a_pass_takes_goes_on_from_the_last_one_taken(acme, alice, settings):
+    settings.LONGHAUL_LIVENESS_SLICE = 10
+    stranded = []
+    for _ in range(5):
+        task = make_task(acme, alice, status=S.RUNNING, next_run_at=None, current_step=1, waiting_reason="model")
+        operation(task, status=OperationStatus.SUCCEEDED)
+        stranded.append(task.pk)
+    passes = [sorted(t.pk for t in liveness.waits_for_nothing(limit=2)) for _ in range(3)]
+    assert passes == [stranded[0:2], stranded[2:4], stranded[4:5]]

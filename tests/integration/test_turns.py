@@ -72,7 +72,7 @@ def test_the_step_kicks_beside_the_queue_do_not_end_a_turn(acme, alice, settings
         TaskStatus.SUCCEEDED}
 
 
-def test_tasks_released_without_a_kick_are_kicked_when_the_turn_ends(acme, alice, settings):
+def test_the_kick_that_ends_a_turn_carries_on_the_tasks_it_released(acme, alice, settings):
     settings.LONGHAUL_STEP_SLICE_MS = 100
     quick = submit_sleep(acme, alice, steps=3)
     slow = submit_sleep(acme, alice, steps=3, step_seconds=0.3)  # its step outlasts the turn's slice
@@ -84,8 +84,30 @@ def test_tasks_released_without_a_kick_are_kicked_when_the_turn_ends(acme, alice
     slow.refresh_from_db()
     assert (quick.current_step, slow.current_step) == (1, 1)
     assert quick.lease_owner == slow.lease_owner == ""
-    # slow's own kick (the slice was over when its step ended) and one for quick, released without one.
-    assert advance_kicks() == sorted([quick.pk, slow.pk])
+    assert advance_kicks() == [slow.pk], "slow's own kick, in its step's commit, ends the turn"
+
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    OrmQ.objects.all().delete()
+    jobs.advance(slow.pk)  # the worker that kick reaches goes on to quick too
+    assert set(Task.objects.filter(pk__in=[quick.pk, slow.pk]).values_list("status", flat=True)) == {
+        TaskStatus.SUCCEEDED}
+
+
+def test_a_turn_that_ends_without_a_kick_kicks_the_task_due_longest(acme, alice, settings):
+    # Its task ends and a job waits, so no step of this turn hands on a kick, while another task is due,
+    # held by nobody and kicked by nobody (released by another worker's turn, say).
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    ending = submit_sleep(acme, alice, steps=1)
+    due = submit_sleep(acme, alice, steps=2)
+    OrmQ.objects.all().delete()
+    kicks.kick("deliver", 0)
+
+    jobs.advance(ending.pk)
+
+    ending.refresh_from_db()
+    due.refresh_from_db()
+    assert (ending.status, due.current_step) == (TaskStatus.SUCCEEDED, 0)
+    assert advance_kicks() == [due.pk]
 
 
 def test_a_released_task_somebody_took_meanwhile_is_not_kicked(acme, alice, settings, monkeypatch):
