@@ -13,7 +13,7 @@ of these holds for a task that is not terminal:
 
 The same for the notification outbox (due, leased, or dispatched to a run that is still
 going) and operations (pending or leased while their task waits, or closed when it ends).
-`find_violations` lists the rows that break a rule, read-only, with indexed queries
+`find_violations` lists the rows that break a rule (writing only the slice cursors), with indexed queries
 bounded by the sweep batch; `repair` fixes each and raises an alert naming the row and
 the rule (nothing is repaired silently); /metrics counts repairs by rule.
 
@@ -168,7 +168,7 @@ def dispatched_runs_ended(now: datetime, limit: int) -> list[tuple[Task, str]]:
 
 
 def find_violations(now: datetime) -> list[Violation]:
-    """Every row that breaks a liveness rule now (read-only)."""
+    """Every row that breaks a liveness rule now (it writes nothing but the slice cursors)."""
     limit = settings.LONGHAUL_SWEEP_BATCH
     out: list[Violation] = []
     out += [Violation("operations_done_unnoticed", "task", t.pk, f"{t.status}, its calls all finished")
