@@ -108,15 +108,21 @@ def test_a_notification_waiting_with_nothing_to_deliver_it_is_made_pending(acme,
     assert rules() == []
 
 
+def waiting_for_finished_calls(tenant, owner, count: int) -> list[int]:
+    """Tasks that break rule operations_done_unnoticed, in id order."""
+    ids = []
+    for _ in range(count):
+        task = make_task(tenant, owner, status=S.RUNNING, next_run_at=None, current_step=1, waiting_reason="model")
+        operation(task, status=OperationStatus.SUCCEEDED)
+        ids.append(task.pk)
+    return ids
+
+
 def test_a_rule_over_every_task_waiting_on_a_call_reads_one_slice_a_pass(acme, alice, settings):
     # Ten thousand tasks waiting on remote jobs must not make every pass read them all: each pass reads the
     # next slice, and every such task is looked at within ceil(rows / slice) passes.
     settings.LONGHAUL_LIVENESS_SLICE = 2
-    stranded = []
-    for _ in range(5):
-        task = make_task(acme, alice, status=S.RUNNING, next_run_at=None, current_step=1, waiting_reason="model")
-        operation(task, status=OperationStatus.SUCCEEDED)
-        stranded.append(task.pk)
+    stranded = waiting_for_finished_calls(acme, alice, 5)
     passes = [sorted(t.pk for t in liveness.waits_for_nothing(limit=100)) for _ in range(4)]
     assert passes == [stranded[0:2], stranded[2:4], stranded[4:5], stranded[0:2]]
 
@@ -134,10 +140,6 @@ def test_an_orphaned_call_is_found_in_its_slice(acme, alice, settings):
 
 def test_a_slice_with_more_to_repair_than_a_pass_takes_goes_on_from_the_last_one_taken(acme, alice, settings):
     settings.LONGHAUL_LIVENESS_SLICE = 10
-    stranded = []
-    for _ in range(5):
-        task = make_task(acme, alice, status=S.RUNNING, next_run_at=None, current_step=1, waiting_reason="model")
-        operation(task, status=OperationStatus.SUCCEEDED)
-        stranded.append(task.pk)
+    stranded = waiting_for_finished_calls(acme, alice, 5)
     passes = [sorted(t.pk for t in liveness.waits_for_nothing(limit=2)) for _ in range(3)]
     assert passes == [stranded[0:2], stranded[2:4], stranded[4:5]]
