@@ -59,7 +59,7 @@ class Violation:
 # --- the rules ---------------------------------------------------------------------
 
 
-def in_turn(rows: QuerySet, rule: str, find: Callable[[QuerySet], QuerySet], *, limit: int) -> list:
+def sliced(rows: QuerySet, rule: str, find: Callable[[QuerySet], QuerySet], *, limit: int) -> list:
     """`find` over this pass's slice of `rows`, by id, at most `limit`: the next LONGHAUL_LIVENESS_SLICE rows
     after where `rule`'s last pass stopped, or all those left (the next pass then starts again from the
     first). The slice is a range of ids read off the index `rows` use. The rule's cursor (SweepCursor) moves
@@ -87,7 +87,7 @@ def waits_for_nothing(limit: int) -> list[Task]:
     their last completion did not make the task due (rule `operations_done_unnoticed`)."""
     waiting = Q(status=S.WAITING_TOOL) | Q(status=S.RUNNING, waiting_reason__in=("model", "tool"))
     candidates = Task.objects.filter(waiting, lease_owner="", next_run_at__isnull=True)  # task_waiting_calls_idx
-    return in_turn(candidates, "operations_done_unnoticed", lambda rows: rows.exclude(_unfinished_ops_of_last_step()),
+    return sliced(candidates, "operations_done_unnoticed", lambda rows: rows.exclude(_unfinished_ops_of_last_step()),
                    limit=limit)
 
 
@@ -136,7 +136,7 @@ def orphaned_operations(now: datetime, limit: int) -> list[Operation]:
     unwatched = Q(key__contains=f":{operations.WATCH_PREFIX}") & ~Q(task__status__in=sorted(TERMINAL)) & ~(
         Q(task__status=S.WAITING_INPUT) & Q(step=F("task__current_step") - 1))
     candidates = Operation.objects.filter(status__in=UNFINISHED_OPS)  # operation_unfinished_idx
-    return in_turn(candidates, "operation_orphaned", lambda rows: (
+    return sliced(candidates, "operation_orphaned", lambda rows: (
         rows.filter(ended | unwatched)
         .filter(Q(status=OperationStatus.PENDING, created_at__lt=grace)
                 | Q(status=OperationStatus.STARTED, lease_expires_at__lt=now))

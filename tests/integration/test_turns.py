@@ -12,7 +12,7 @@ from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
-from tasks import broker, clock, jobs, kicks, leases
+from tasks import broker, clock, jobs, kicks, leases, runner
 from tasks.models import Checkpoint, Task
 from tasks.statuses import TaskStatus
 from tests.factories import submit_sleep
@@ -72,11 +72,24 @@ def test_the_step_kicks_beside_the_queue_do_not_end_a_turn(acme, alice, settings
         TaskStatus.SUCCEEDED}
 
 
-def test_the_kick_that_ends_a_turn_carries_on_the_tasks_it_released(acme, alice, settings):
-    settings.LONGHAUL_STEP_SLICE_MS = 100
+def slice_ends_during_the_step_of(task: Task, monkeypatch) -> None:
+    """The turn's time slice runs out while `task`'s step runs (the moment a worker holds it), and stays out."""
+    over = []
+
+    def lasts(turn: runner.Turn) -> bool:
+        if not over and Task.objects.filter(pk=task.pk).exclude(lease_owner="").exists():
+            over.append(True)
+        return not over
+
+    monkeypatch.setattr(runner.Turn, "lasts", lasts)
+
+
+def test_the_kick_that_ends_a_turn_carries_on_the_tasks_it_released(acme, alice, settings, monkeypatch):
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
     quick = submit_sleep(acme, alice, steps=3)
-    slow = submit_sleep(acme, alice, steps=3, step_seconds=0.3)  # its step outlasts the turn's slice
+    slow = submit_sleep(acme, alice, steps=3)
     OrmQ.objects.all().delete()
+    slice_ends_during_the_step_of(slow, monkeypatch)
 
     jobs.advance(quick.pk)  # quick's step, then slow's (quick released without a kick), then the slice is over
 
@@ -86,7 +99,7 @@ def test_the_kick_that_ends_a_turn_carries_on_the_tasks_it_released(acme, alice,
     assert quick.lease_owner == slow.lease_owner == ""
     assert advance_kicks() == [slow.pk], "slow's own kick, in its step's commit, ends the turn"
 
-    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    monkeypatch.undo()
     OrmQ.objects.all().delete()
     jobs.advance(slow.pk)  # the worker that kick reaches goes on to quick too
     assert set(Task.objects.filter(pk__in=[quick.pk, slow.pk]).values_list("status", flat=True)) == {
@@ -111,10 +124,11 @@ def test_a_turn_that_ends_without_a_kick_kicks_the_task_due_longest(acme, alice,
 
 
 def test_a_released_task_somebody_took_meanwhile_is_not_kicked(acme, alice, settings, monkeypatch):
-    settings.LONGHAUL_STEP_SLICE_MS = 100
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
     quick = submit_sleep(acme, alice, steps=3)
-    slow = submit_sleep(acme, alice, steps=3, step_seconds=0.3)
+    slow = submit_sleep(acme, alice, steps=3)
     OrmQ.objects.all().delete()
+    slice_ends_during_the_step_of(slow, monkeypatch)
     original = leases.claim_next
 
     def and_another_worker_takes_quick(*, owner: str, now):
