@@ -4,13 +4,15 @@ nothing if nothing is due, so kicks may be lost or duplicated without harm.
 With the ORM broker a kick is a row in the same database: written inside the
 transaction that made the work due, it commits or rolls back with it. A delayed
 kick is the same row with its `lock` in the future; the broker delivers it then.
-Step kicks (`advance`) go under a key of their own, beside the cluster's queue
-(tasks/broker.py), so a worker running steps can ask "does other work wait?"
-without counting the hints for tasks it may take from the task table itself.
+Step kicks (`advance`) and gateway kicks (`operations`) go under keys of their own, beside
+the cluster's queue (tasks/broker.py), so a worker running steps can ask "does other work
+wait?" without counting the hints for tasks it may take from the task table itself, nor
+those for calls that the gateway job holding the turn has heard of already.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -25,7 +27,7 @@ from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
 from tasks import leases
-from tasks.broker import steps_key
+from tasks.broker import gateway_key, steps_key
 
 # Job name -> the function a worker runs, by dotted path. Apps built on tasks add theirs
 # with register_job at start (chat: "run").
@@ -38,6 +40,10 @@ JOBS = {
 QUEUES: dict[str, str] = {}
 # Jobs whose kicks are hints for a task due in the task table: the main cluster's step kicks.
 STEP_JOBS = frozenset({"advance"})
+# Jobs whose kicks are hints for a gateway job: none is needed while one holds the turn.
+GATEWAY_JOBS = frozenset({"operations"})
+# The session advisory lock a gateway job holds while it claims calls (tasks/operations.py).
+GATEWAY_TURN_KEY = zlib.crc32(b"longhaul-gateway-turn")
 
 
 def register_job(name: str, dotted_path: str, *, queue: str | None = None) -> None:
@@ -55,6 +61,8 @@ def queue_of(job: str) -> str:
     """The broker key a kick of `job` goes to, whichever process kicks it."""
     if job in STEP_JOBS:
         return steps_key(settings.Q_CLUSTER["name"])
+    if job in GATEWAY_JOBS:
+        return gateway_key(settings.Q_CLUSTER["name"])
     return QUEUES.get(job) or settings.Q_CLUSTER["name"]
 
 
@@ -90,18 +98,30 @@ def withdraw(kick_id: int) -> None:
 
 @dataclass(frozen=True)
 class Waiting:
-    jobs: bool  # due work in this cluster's own queue: gateway jobs, deliveries, sweeps
+    jobs: bool  # due work in this cluster's own queue (deliveries, sweeps), or a gateway kick nobody hears
     steps: bool  # another task whose step is due, held by nobody (its kick, if any, is only a hint)
+
+
+# While a gateway job holds the turn (PostgreSQL's advisory lock, which pg_locks lists), it hears the calls
+# steps request: their gateway kicks are only hints. SQLite has no such lock; a gateway kick always counts.
+_TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s "
+              "AND objsubid = 1 AND granted "
+              # Advisory locks are the server's: another database's gateway job holds another turn.
+              "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))")
 
 
 def waiting(*, now: datetime, besides: int) -> Waiting:
     """What waits for a worker that has just run a step of task `besides`: one statement."""
     jobs = OrmQ.objects.filter(key=_queue_key(), lock__lte=now).values("pk")
+    gateway = OrmQ.objects.filter(key=gateway_key(_queue_key()), lock__lte=now).values("pk")
     steps = leases.due(now).exclude(pk=besides).values("pk")
     jobs_sql, jobs_params = jobs[:1].query.sql_with_params()
+    gateway_sql, gateway_params = gateway[:1].query.sql_with_params()
     steps_sql, steps_params = steps[:1].query.sql_with_params()
+    turn_free, turn_params = (_TURN_FREE, (GATEWAY_TURN_KEY,)) if connection.vendor == "postgresql" else ("1 = 1", ())
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params))
+        cursor.execute(f"SELECT EXISTS({jobs_sql}) OR (EXISTS({gateway_sql}) AND {turn_free}), EXISTS({steps_sql})",
+                       (*jobs_params, *gateway_params, *turn_params, *steps_params))
         found_jobs, found_steps = cursor.fetchone()
     return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
 

@@ -26,14 +26,18 @@ work is left, so nothing waits for the sweeper while a holder lives.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 import traceback
 import zlib
 from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -41,7 +45,7 @@ from django.db import close_old_connections, connection, connections, transactio
 from django.db.models import Count, F, Q, Window
 from django.db.models.functions import RowNumber
 
-from tasks import clock, drain, events, kicks, leases, pools, sealed, transitions
+from tasks import clock, drain, events, kicks, leases, pools, requested, sealed, transitions
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drain import draining
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
     from tasks.mcp.client import ServerConfig
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 KINDS = ("model", "tool", "mcp")
 FINISHED = (OperationStatus.SUCCEEDED, OperationStatus.FAILED)
 GATEWAY = Operation.Mode.GATEWAY
@@ -64,6 +69,10 @@ WATCH_AGAIN_AFTER = timedelta(seconds=60)  # a question that still stands is loo
 WATCHDOG_MARGIN = timedelta(milliseconds=500)
 CANDIDATES_AT_MOST = 5_000  # due calls one claim of one pool reads
 WATCHDOG_STEP = timedelta(seconds=2)
+# Calls out share CLIENT_SHARDS httpx clients: a client's pool looks at every connection it holds each time
+# it places a request, so with hundreds of calls out one pool cost more CPU than the calls themselves.
+CLIENT_SHARDS = 8
+BATCH_AT_MOST = 50  # outcomes recorded in one transaction
 LOST = ("the gateway job running this call stopped before it answered, so the call may or may not have started; "
         "it is not run again")
 
@@ -194,7 +203,7 @@ def first_due(task_id: int, step: int, now: datetime) -> datetime:
 
 
 # One gateway job claims at a time, per database: the key of its session advisory lock.
-GATEWAY_TURN_KEY = zlib.crc32(b"longhaul-gateway-turn")
+GATEWAY_TURN_KEY = kicks.GATEWAY_TURN_KEY
 
 
 def take_gateway_turn() -> bool:
@@ -409,53 +418,143 @@ def settle_lost_calls(*, now: datetime, limit: int = 100) -> int:
     return settled
 
 
-def retries_left(task_id: int) -> int:
-    task = Task.objects.only("budget", "retries").get(pk=task_id)
-    return max(0, Budget.of(task.budget).max_retries - task.retries)
+def retries_left(task_ids: Iterable[int]) -> dict[int, int]:
+    """The retries each task's budget has left, read once for a claimed batch's calls."""
+    return {pk: max(0, Budget.of(budget).max_retries - retries)
+            for pk, budget, retries in Task.objects.filter(pk__in=set(task_ids)).values_list("pk", "budget", "retries")}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a gateway job saw of one call it ran, to be recorded on its row."""
+
+    op_id: int
+    result: Any = None
+    error: StepError | None = None
+    usage: dict[str, Any] | None = None
+    retries_used: int = 0
+    version: str = ""
+
+    def fields(self, now: datetime) -> dict[str, Any]:
+        return {
+            "status": OperationStatus.FAILED if self.error else OperationStatus.SUCCEEDED,
+            "result": None if self.error else self.result,
+            "error_class": self.error.error_class if self.error else "",
+            "error_message": str(self.error)[:2000] if self.error else "",
+            "usage": self.usage or {}, "version": self.version[:200], "finished_at": now, "lease_owner": "",
+            "lease_expires_at": None,
+        }
 
 
 def record(op_id: int, *, owner: str, result: Any = None, error: StepError | None = None,
            usage: dict[str, Any] | None = None, retries_used: int = 0, version: str = "") -> bool:
     """Store an operation's outcome; if it was its step's last, make the task's next step due."""
+    [recorded] = record_many([Outcome(op_id, result, error, usage, retries_used, version)], owner=owner)
+    if isinstance(recorded, Exception):
+        raise recorded
+    return recorded
+
+
+def record_many(outcomes: Sequence[Outcome], *, owner: str) -> list[bool | Exception]:
+    """Store the outcomes a gateway job saw arrive together, in one transaction, and make due the next
+    step of each task whose last call of a step is among them (one kick per task). Returns, in order,
+    whether each was recorded (False: its lease ran out and another job took it over) or what stopped it.
+
+    If one outcome cannot be recorded, the batch is rolled back and each is recorded alone: the others
+    still land."""
     now = clock.now()
-    return _finish(op_id, guard=Q(status=OperationStatus.STARTED, lease_owner=owner), retries_used=retries_used,
-                   fields={
-                       "status": OperationStatus.FAILED if error else OperationStatus.SUCCEEDED,
-                       "result": None if error else result,
-                       "error_class": error.error_class if error else "",
-                       "error_message": str(error)[:2000] if error else "",
-                       "usage": usage or {}, "version": version[:200], "finished_at": now, "lease_owner": "",
-                       "lease_expires_at": None,
-                   })
+    guard = Q(status=OperationStatus.STARTED, lease_owner=owner)
+    closing = [_Closing(o.op_id, guard, o.fields(now), o.retries_used) for o in outcomes]
+    try:
+        return list(_finish_many(closing))
+    except Exception as exc:
+        if len(outcomes) == 1:
+            return [exc]
+        log.warning("recording %s call outcomes together failed (%s); recording each alone", len(outcomes), exc)
+    alone: list[bool | Exception] = []
+    for one in closing:
+        try:
+            alone.extend(_finish_many([one]))
+        except Exception as exc:  # this one's own failure, returned to the call it belongs to
+            alone.append(exc)
+    return alone
+
+
+@dataclass(frozen=True)
+class _Closing:
+    op_id: int
+    guard: Q  # what must still hold for this job to close it (its lease)
+    fields: dict[str, Any]  # with finished_at
+    retries_used: int = 0
 
 
 def _finish(op_id: int, *, guard: Q, fields: dict[str, Any], retries_used: int = 0) -> bool:
     """Close an operation (if `guard` still holds); if it was the last its task waited for, make the next step due."""
-    now = fields["finished_at"]
+    return _finish_many([_Closing(op_id, guard, fields, retries_used)])[0]
+
+
+def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
+    """Close operations in one transaction (each if its guard still holds), then, task by task, do what
+    follows: make the next step due of a task whose step has no call out any more (one kick), look again
+    at a question a watch call saw, or stop remote work its ended task no longer wants. Returns which closed.
+
+    The tasks are locked in id order, in one statement, before anything is written (one recorder per task
+    at a time, and two recorders never wait on each other in a circle)."""
     with transaction.atomic():
-        op = Operation.objects.filter(pk=op_id).only("task_id", "step", "key", "has_side_effects").first()
-        if op is None:
-            return False
-        task = Task.objects.select_for_update().get(pk=op.task_id)  # one recorder per task at a time
-        if not Operation.objects.filter(guard, pk=op_id).update(**sealed.wrap(Operation, task.tenant_id, fields)):
-            return False  # our lease expired and another job took the operation over
-        if retries_used:
-            Task.objects.filter(pk=task.pk).update(retries=F("retries") + retries_used)
-        if task.status in TERMINAL:
-            if op.has_side_effects and fields["status"] == OperationStatus.SUCCEEDED:
-                # Work it started (a remote job) outlives a task that ended meanwhile: stop it, once.
-                request_abandon(task, now=now)
-            return True
-        if is_watch(op.key):
-            if task.status == TaskStatus.WAITING_INPUT and op.step == task.current_step - 1:
-                _after_watch(task, op_id, now=now)
-            return True
-        still_waiting = task.status == TaskStatus.WAITING_TOOL or (
-            task.status == TaskStatus.RUNNING and task.waiting_reason in ("model", "tool"))
-        if still_waiting and op.step >= task.current_step - 1 and not unfinished(task.pk, op.step) \
-                and transitions.operations_done(task, now=now):
-            kicks.kick("advance", task.pk)
-    return True
+        ops = Operation.objects.only("task_id", "step", "key", "has_side_effects").in_bulk(
+            [c.op_id for c in closing])
+        tasks = {t.pk: t for t in Task.objects.select_for_update().filter(
+            pk__in={op.task_id for op in ops.values()}).order_by("pk")}
+        closed = [False] * len(closing)
+        retries: Counter[int] = Counter()
+        written: list[tuple[Operation, str]] = []
+        for n, c in enumerate(closing):
+            op = ops.get(c.op_id)
+            if op is None or not Operation.objects.filter(c.guard, pk=c.op_id).update(
+                    **sealed.wrap(Operation, tasks[op.task_id].tenant_id, c.fields)):
+                continue  # gone, or our lease expired and another job took the operation over
+            closed[n] = True
+            retries[op.task_id] += c.retries_used
+            written.append((op, c.fields["status"]))
+        for task_id, used in retries.items():
+            if used:
+                Task.objects.filter(pk=task_id).update(retries=F("retries") + used)
+        if written:
+            now = closing[0].fields["finished_at"]
+            out = _steps_with_calls_out({op.task_id for op, _ in written})
+            for op, status in sorted(written, key=lambda w: (w[0].task_id, w[0].pk)):
+                _after_closing(tasks[op.task_id], op, status, out=out, now=now)
+    return closed
+
+
+def _steps_with_calls_out(task_ids: set[int]) -> set[tuple[int, int]]:
+    """(task, step) pairs with a call still out that the task waits for (not a watch, not an abandon)."""
+    return {(task_id, step) for task_id, step, key in Operation.objects.filter(
+        task_id__in=task_ids, mode=GATEWAY).exclude(status__in=FINISHED).values_list("task_id", "step", "key")
+        if _awaited(key)}
+
+
+def _awaited(key: str) -> bool:
+    """task:step:r<n> is a step's call; a<n> belongs to the task's end, w<n> watches while its owner is asked."""
+    return not key.split(":")[2].startswith(("a", WATCH_PREFIX))
+
+
+def _after_closing(task: Task, op: Operation, status: str, *, out: set[tuple[int, int]], now: datetime) -> None:
+    """Inside the transaction that closed `op`, its task locked: what follows for the task."""
+    if task.status in TERMINAL:
+        if op.has_side_effects and status == OperationStatus.SUCCEEDED:
+            # Work it started (a remote job) outlives a task that ended meanwhile: stop it, once.
+            request_abandon(task, now=now)
+        return
+    if is_watch(op.key):
+        if task.status == TaskStatus.WAITING_INPUT and op.step == task.current_step - 1:
+            _after_watch(task, op.pk, now=now)
+        return
+    still_waiting = task.status == TaskStatus.WAITING_TOOL or (
+        task.status == TaskStatus.RUNNING and task.waiting_reason in ("model", "tool"))
+    if still_waiting and op.step >= task.current_step - 1 and (task.pk, op.step) not in out \
+            and transitions.operations_done(task, now=now):
+        kicks.kick("advance", task.pk)
 
 
 def _after_watch(task: Task, op_id: int, *, now: datetime) -> None:
@@ -539,13 +638,81 @@ def version_of(op: Operation, usage: dict[str, Any]) -> str:
     return f"{op.name} {TOOL_PROTOCOL}"
 
 
-async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
+class Recorder:
+    """A gateway job's outcomes, recorded in batches: those that arrive while one batch is being written
+    go together in the next (record_many), with the tokens their model calls used. A wave of answers
+    then costs a few transactions, not one each on the job's one database thread."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self._waiting: list[tuple[Outcome, str, int, asyncio.Future[bool]]] = []
+        self._writer: asyncio.Task[None] | None = None
+        self.batches = 0  # written so far
+
+    async def record(self, outcome: Outcome, *, pool: str, tokens: int = 0) -> bool:
+        """Whether it was recorded (False: another job took the call over); raises what stopped it."""
+        answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting.append((outcome, pool, tokens, answer))
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.create_task(self._write())
+        return await answer
+
+    async def closed(self) -> None:
+        """Once every outcome handed in is written."""
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
+
+    async def _write(self) -> None:
+        batch: list[tuple[Outcome, str, int, asyncio.Future[bool]]] = []
+        try:
+            while self._waiting:
+                # A cap, so that one batch holds its tasks' locks for a bounded time.
+                batch, self._waiting = self._waiting[:BATCH_AT_MOST], self._waiting[BATCH_AT_MOST:]
+                self.batches += 1
+                try:
+                    recorded = await sync_to_async(self._write_batch)(batch)
+                except Exception as exc:  # the database is out of reach: every call of the batch hears it
+                    recorded = [exc] * len(batch)
+                for (_, _, _, answer), done in zip(batch, recorded, strict=True):
+                    if answer.done():
+                        continue
+                    if isinstance(done, Exception):
+                        answer.set_exception(done)
+                    else:
+                        answer.set_result(done)
+        finally:
+            # Cancelled or worse: no call may wait for ever on an answer that will not come.
+            for _, _, _, answer in [*batch, *self._waiting]:
+                if not answer.done():
+                    answer.set_exception(InternalError("the gateway job stopped before the outcome was recorded"))
+            self._waiting = []
+
+    def _write_batch(self, batch: list[tuple[Outcome, str, int, asyncio.Future[bool]]]) -> list[bool | Exception]:
+        recorded = record_many([outcome for outcome, _, _, _ in batch], owner=self.owner)
+        spent: Counter[str] = Counter()
+        for (_, pool, tokens, _), done in zip(batch, recorded, strict=True):
+            if tokens and not isinstance(done, Exception):  # spent at the provider, recorded by us or not
+                spent[pool] += tokens
+        for pool, tokens in spent.items():
+            try:
+                pools.spend_tokens(pool, tokens, now=clock.now())
+            except Exception:  # the outcomes are recorded: a failed count must not make their calls look lost
+                log.exception("pool %s: could not count %s tokens", pool, tokens)
+        return recorded
+
+
+async def _run_one(op: Operation, *, owner: str, client: Any, recorder: Recorder | None = None,
+                   retries: int | None = None) -> None:
+    """Run one claimed call and record its outcome (`retries`: its task's retries left, read with the claim)."""
     from tasks.gateway.retry import RetryBudget
 
-    budget = RetryBudget(await sync_to_async(retries_left)(op.task_id))
+    recorder = recorder or Recorder(owner)
+    if retries is None:
+        retries = (await sync_to_async(retries_left)([op.task_id])).get(op.task_id, 0)
+    budget = RetryBudget(retries)
     # Looked up while the database answers: if recording the call's outcome fails, the database may be
     # what failed, and the remote task it created must still be cancelled.
-    cancel_on = await sync_to_async(_compensation_server)(op)
+    cancel_on = await sync_to_async(_compensation_server)(op) if _may_need_compensation(op) else None
     started = time.monotonic()
     result, usage, error = None, None, None
     try:
@@ -571,16 +738,16 @@ async def _run_one(op: Operation, *, owner: str, client: Any) -> None:
         if handed_back:
             return
     usage = {**(usage or {}), "duration_ms": int((time.monotonic() - started) * 1000)}
+    tokens = 0
+    if error is None and op.kind == "model":
+        tokens = sum(v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens") and isinstance(v, int))
+    outcome = Outcome(op.pk, result, error, usage, budget.used, version_of(op, usage))
     try:
-        await sync_to_async(record)(op.pk, owner=owner, result=result, error=error, usage=usage,
-                                    retries_used=budget.used, version=version_of(op, usage))
+        await recorder.record(outcome, pool=op.pool, tokens=tokens)
     except Exception:
         if error is None:
             await _compensate(op, result, cancel_on)
         raise
-    if error is None and op.kind == "model":
-        tokens = sum(v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens") and isinstance(v, int))
-        await sync_to_async(pools.spend_tokens)(op.pool, tokens, now=clock.now())
 
 
 def defer(op: Operation, *, owner: str, until: datetime, retries_used: int) -> bool:
@@ -600,12 +767,18 @@ def defer(op: Operation, *, owner: str, until: datetime, retries_used: int) -> b
     return bool(handed)
 
 
+def _may_need_compensation(op: Operation) -> bool:
+    from tasks.mcp import calls
+
+    return op.kind == "mcp" and op.name == calls.CALL_TOOL
+
+
 def _compensation_server(op: Operation) -> ServerConfig | None:
     """For a tools/call: the server its remote task is cancelled on should its outcome not be recorded
     (None for other calls, and for a server this task's workspace may no longer use)."""
-    from tasks.mcp import calls, config
+    from tasks.mcp import config
 
-    if op.kind != "mcp" or op.name != calls.CALL_TOOL:
+    if not _may_need_compensation(op):
         return None
     slug = Task.objects.filter(pk=op.task_id).values_list("tenant__slug", flat=True).first()
     server = config.servers().get(str(op.args.get("server")))
@@ -661,12 +834,14 @@ class Watchdog:
             self.kick_id, self.at = None, None
 
 
-async def _hand_back(in_flight: set[asyncio.Task[None]], *, owner: str) -> None:
+async def _hand_back(in_flight: set[asyncio.Task[None]], *, owner: str, recorder: Recorder) -> None:
     """Stop waiting for calls in flight and release them, so another gateway job runs them again under
-    the same key; a call that must never run twice is left to its lease (settle_lost_calls fails it)."""
+    the same key; a call that must never run twice is left to its lease (settle_lost_calls fails it).
+    Outcomes already handed to the recorder are written first."""
     for running in in_flight:
         running.cancel()
     await asyncio.gather(*in_flight, return_exceptions=True)
+    await recorder.closed()
     released = await sync_to_async(release)(owner=owner)
     log.warning("gateway job draining: %s calls in flight handed back", released)
 
@@ -687,54 +862,112 @@ async def pump(*, owner: str, run_for: float) -> int | None:
     if not await sync_to_async(take_gateway_turn)():
         return None
     holding = True
-    stop_claiming = time.monotonic() + run_for
     in_flight: set[asyncio.Task[None]] = set()
     watchdog = Watchdog()
+    recorder = Recorder(owner)
+    listener = requested.Listener()
+    claims = DatabaseThread("gateway-claims")
     ran = 0
-    # httpx's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says.
+    # httpx's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says. Each client may
+    # open them all (the job's own cap bounds the calls out), and keeps its share open between calls.
     pool = httpx.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
-                        max_keepalive_connections=settings.LONGHAUL_GATEWAY_INFLIGHT)
+                        max_keepalive_connections=-(-settings.LONGHAUL_GATEWAY_INFLIGHT // CLIENT_SHARDS))
     try:
-        async with httpx.AsyncClient(follow_redirects=False, limits=pool) as client:
+        await listener.start(await sync_to_async(requested.conninfo)())
+        async with contextlib.AsyncExitStack() as clients_open:
+            tls = httpx.create_ssl_context()  # one for all: building one takes about 25 ms
+            clients = [await clients_open.enter_async_context(httpx.AsyncClient(
+                follow_redirects=False, limits=pool, verify=tls)) for _ in range(CLIENT_SHARDS)]
+            stop_claiming = time.monotonic() + run_for  # the slice starts once the job can claim
             while True:
                 claiming = time.monotonic() < stop_claiming and not draining.is_set()
                 if draining.is_set() and in_flight and drain.grace_over():
                     # The worker is stopping: calls still out are handed to another worker, not waited for.
-                    await _hand_back(in_flight, owner=owner)
+                    await _hand_back(in_flight, owner=owner, recorder=recorder)
                     in_flight.clear()
                     break
                 if holding and not claiming and in_flight:
                     # The slice is over: let the next job claim while this one waits for its last calls.
                     await sync_to_async(end_gateway_turn)()
                     holding = False
+                    await listener.stop()
+                    await claims.close()
                     await sync_to_async(kick_if_claimable)()
                 room = settings.LONGHAUL_GATEWAY_INFLIGHT - len(in_flight)
+                batch = []
                 if room > 0 and claiming:
-                    now = clock.now()
-                    batch = await sync_to_async(claim_batch)(owner=owner, limit=room, now=now)
-                    if batch:
-                        await sync_to_async(watchdog.cover)(now)
+                    listener.heard.clear()  # before the claim: a commit heard during it calls for another
+                    batch, retries = await claims.run(_claim_for, owner, room, watchdog)
                     for op in batch:
-                        in_flight.add(asyncio.create_task(_run_one(op, owner=owner, client=client)))
+                        in_flight.add(asyncio.create_task(_run_one(
+                            op, owner=owner, client=clients[op.pk % CLIENT_SHARDS], recorder=recorder,
+                            retries=retries.get(op.task_id, 0))))
                     ran += len(batch)
                 if not in_flight:
                     break
-                done, _ = await asyncio.wait(in_flight, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                # Until a call ends, calls are requested (while there is room to claim them), or it is time to look.
+                # After a claim that found nothing (pools full or held back), what is heard waits for that look.
+                listen = claiming and bool(batch) and len(in_flight) < settings.LONGHAUL_GATEWAY_INFLIGHT
+                heard = asyncio.create_task(listener.heard.wait()) if listen else None
+                done, _ = await asyncio.wait({*in_flight, *([heard] if heard else [])}, timeout=requested.LOOK_EVERY,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if heard is not None:
+                    heard.cancel()
+                    done.discard(heard)
                 in_flight -= done
                 for finished in done:
                     if not finished.cancelled() and finished.exception() is not None:
                         # Its outcome could not be recorded (the database refused it); its lease runs out.
                         log.error("a call's outcome could not be recorded", exc_info=finished.exception())
     finally:
-        if not in_flight:
-            await sync_to_async(watchdog.withdraw)()  # every call it claimed is recorded
-        if holding:
-            await sync_to_async(end_gateway_turn)()
-        # Also after a late drain: calls due when the pool was full (of this job's calls) wait for a kick.
-        await sync_to_async(kick_if_claimable)()
-        # This loop's database connections live in asgiref's executor thread: give them back.
-        await sync_to_async(connections.close_all)()
+        try:
+            await listener.stop()
+            await recorder.closed()
+            if not in_flight:
+                await sync_to_async(watchdog.withdraw)()  # every call it claimed is recorded
+        finally:
+            try:
+                if holding:
+                    await sync_to_async(end_gateway_turn)()
+                # Also after a late drain: calls due when the pool was full (of this job's calls) wait for a kick.
+                await sync_to_async(kick_if_claimable)()
+            finally:
+                # This loop's database connections live in asgiref's thread and the claims' thread: give them back.
+                await claims.close()
+                await sync_to_async(connections.close_all)()
     return ran
+
+
+class DatabaseThread:
+    """A thread with a database connection of its own, for one kind of a gateway job's database work:
+    its claims do not wait behind the batches of outcomes on asgiref's thread, nor those behind them."""
+
+    def __init__(self, name: str) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._closed = False
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+
+    async def close(self) -> None:
+        """Close its connections and end the thread; again, it does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, connections.close_all)
+        finally:
+            self._executor.shutdown(wait=False)
+
+
+def _claim_for(owner: str, limit: int, watchdog: Watchdog) -> tuple[list[Operation], dict[int, int]]:
+    """One trip to the database thread: a batch claimed, its watchdog moved, its tasks' retries read."""
+    now = clock.now()
+    batch = claim_batch(owner=owner, limit=limit, now=now)
+    if not batch:
+        return [], {}
+    watchdog.cover(now)
+    return batch, retries_left(op.task_id for op in batch)
 
 
 def run_due(*, run_for: float | None = None) -> int | None:

@@ -207,7 +207,7 @@ class SupervisedSentinel(Sentinel):
             return False
         due_before = timezone.now() - timedelta(seconds=self.stall_seconds)
         try:
-            keys = getattr(self.broker, "keys", (self.broker.list_key,))  # tasks/broker.py: its queue and step kicks
+            keys = getattr(self.broker, "keys", (self.broker.list_key,))  # tasks/broker.py: its queue, step kicks and gateway kicks
             return self.broker.get_connection().filter(key__in=keys, lock__lte=due_before).exists()
         except db.DatabaseError:
             log.debug("stall watch: the broker table is out of reach", exc_info=True)

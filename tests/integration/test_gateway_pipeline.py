@@ -1,0 +1,200 @@
+"""The path of a call through the gateway: a gateway job records the outcomes that arrive together in one
+transaction, one kick per task whose step is done; it hears the calls steps request while it runs instead
+of waiting for its next look; and while it holds the turn, a worker running steps does not make way for
+the gateway kicks those steps wrote, which only a job without the turn would need."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
+from django_q.models import OrmQ
+from django_q.signing import SignedPackage
+
+from tasks import clock, kicks, operations, pools, requested
+from tasks.drivers import OpRequest
+from tasks.models import Operation, Pool, Task
+from tasks.statuses import OperationStatus, TaskStatus
+from tests.factories import make_task
+from tests.fakes.openai_server import FakeOpenAI, Reply
+from tests.integration.test_pools import PLAN_REPLY, call
+
+Op = OperationStatus
+OWNER = "gw:1"
+
+
+def waiting(tenant, owner, calls: int = 1) -> tuple[Task, list[Operation]]:
+    """A task waiting for `calls` tool calls of its step 0, claimed by OWNER."""
+    task = make_task(tenant, owner, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1)
+    ops = [call(task, n) for n in range(calls)]
+    claimed = {op.pk for op in operations.claim_batch(owner=OWNER, limit=100, now=clock.now())}
+    assert {op.pk for op in ops} <= claimed
+    return task, ops
+
+
+def outcome(op: Operation, result: Any = None, **fields: Any) -> operations.Outcome:
+    return operations.Outcome(op.pk, {"results": []} if result is None else result, **fields)
+
+
+def advance_kicks() -> list[int]:
+    return sorted(SignedPackage.loads(p)["args"][0] for p in OrmQ.objects.values_list("payload", flat=True)
+                  if SignedPackage.loads(p)["func"] == "tasks.jobs.advance")
+
+
+@pytest.mark.smoke
+@pytest.mark.django_db(transaction=True)
+def test_outcomes_that_arrive_together_are_recorded_at_once_with_one_kick_per_task_done(acme, alice):
+    (one, [a]), (two, [b, c]), (three, [d, e]) = waiting(acme, alice), waiting(acme, alice, 2), waiting(acme, alice, 2)
+    OrmQ.objects.all().delete()
+
+    # Both calls of `two` and one of `three`, in no particular order.
+    assert operations.record_many([outcome(c), outcome(d), outcome(a), outcome(b)], owner=OWNER) == [True] * 4
+
+    assert {op.pk: op.status for op in Operation.objects.filter(task__in=[one, two, three])} == {
+        a.pk: Op.SUCCEEDED, b.pk: Op.SUCCEEDED, c.pk: Op.SUCCEEDED, d.pk: Op.SUCCEEDED, e.pk: Op.STARTED}
+    assert advance_kicks() == sorted([one.pk, two.pk]), "one kick per task whose step is done, none for three"
+    due = {t.pk: (t.status, t.next_run_at is not None) for t in Task.objects.filter(pk__in=[one.pk, two.pk, three.pk])}
+    assert due == {one.pk: (TaskStatus.RUNNING, True), two.pk: (TaskStatus.RUNNING, True),
+                   three.pk: (TaskStatus.WAITING_TOOL, False)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_that_cannot_be_stored_leaves_the_others_recorded(acme, alice):
+    (_, [a]), (two, [b]) = waiting(acme, alice), waiting(acme, alice)
+
+    recorded = operations.record_many([outcome(a, result={"not json": object()}), outcome(b)], owner=OWNER)
+
+    assert isinstance(recorded[0], Exception) and recorded[1] is True
+    assert Operation.objects.get(pk=a.pk).status == Op.STARTED, "left to its lease, as a call whose job died"
+    assert Operation.objects.get(pk=b.pk).status == Op.SUCCEEDED
+    assert advance_kicks() == [two.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_outcome_whose_call_another_job_took_over_is_not_recorded(acme, alice):
+    (_, [a]), (two, [b]) = waiting(acme, alice), waiting(acme, alice)
+    Operation.objects.filter(pk=a.pk).update(lease_owner="gw:2")  # its lease ran out and gw:2 claimed it
+
+    assert operations.record_many([outcome(a), outcome(b)], owner=OWNER) == [False, True]
+    assert Operation.objects.get(pk=a.pk).status == Op.STARTED
+    assert advance_kicks() == [two.pk]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_costs_fewer_statements_than_its_outcomes_recorded_one_by_one(acme, alice):
+    batch = [waiting(acme, alice)[1][0] for _ in range(10)]
+    alone = [waiting(acme, alice)[1][0] for _ in range(10)]
+
+    with CaptureQueriesContext(connection) as together:
+        assert operations.record_many([outcome(op) for op in batch], owner=OWNER) == [True] * 10
+    with CaptureQueriesContext(connection) as one_by_one:
+        for op in alone:
+            assert operations.record(op.pk, owner=OWNER, result={"results": []})
+    assert len(together) < len(one_by_one), (len(together), len(one_by_one))
+    assert advance_kicks() == sorted(op.task_id for op in batch + alone)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_recorder_writes_outcomes_handed_in_together_as_one_batch_and_spends_their_tokens_once(
+        acme, alice, settings):
+    key = pools.key_of("model", "plan", None)
+    settings.LONGHAUL_POOLS = {key: {"tokens_per_minute": 100_000}}
+    tasks = [make_task(acme, alice, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1)
+             for _ in range(20)]
+    ops = [call(task, 0, kind="model", name="plan") for task in tasks]
+    assert len(operations.claim_batch(owner=OWNER, limit=100, now=clock.now())) == 20
+    allowance = Pool.objects.get(key=key).tokens_allowance
+
+    async def hand_in() -> tuple[list[bool], int]:
+        recorder = operations.Recorder(OWNER)
+        done = await asyncio.gather(*(recorder.record(outcome(op, {"subquestions": []}), pool=key, tokens=7)
+                                      for op in ops))
+        await recorder.closed()
+        return list(done), recorder.batches
+
+    done, batches = asyncio.run(hand_in())
+
+    assert done == [True] * 20
+    assert batches == 1, "all twenty were handed in before the first batch was written"
+    assert not Operation.objects.filter(pk__in=[op.pk for op in ops]).exclude(status=Op.SUCCEEDED).exists()
+    assert Pool.objects.get(key=key).tokens_allowance <= allowance - 20 * 7
+
+
+# --- calls requested while a job runs ------------------------------------------------------
+
+on_postgresql = pytest.mark.skipif("connection.vendor != 'postgresql'", reason="LISTEN/NOTIFY is PostgreSQL's")
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_a_commit_that_requests_calls_notifies_the_gateway_channel(acme, alice):
+    task = make_task(acme, alice, status=TaskStatus.RUNNING, current_step=1)
+    with psycopg.connect(requested.conninfo(), autocommit=True) as listening:
+        listening.execute(f"LISTEN {requested.CHANNEL}")
+        with transaction.atomic():  # a call for later: the gateway kick at its time starts it, nothing to hear
+            operations.request(task, token=0, now=clock.now(), requests=[
+                OpRequest("tool", "search", {"query": "later"}, not_before=clock.now() + timedelta(minutes=5))])
+        with transaction.atomic():
+            operations.request(task, token=0, requests=[OpRequest("tool", "search", {"query": "q"})],
+                               now=clock.now())
+        heard = list(listening.notifies(timeout=3, stop_after=2))
+    assert [n.channel for n in heard] == [requested.CHANNEL], "one commit to hear of, not two"
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_a_running_gateway_job_claims_a_call_requested_meanwhile_without_waiting_to_look(
+        acme, alice, settings, monkeypatch):
+    monkeypatch.setattr(requested, "LOOK_EVERY", 60.0)  # without hearing of it, the job would look in a minute
+    settings.LONGHAUL_MODEL_PROVIDER, settings.LONGHAUL_MODEL, settings.LONGHAUL_MODEL_API_KEY = \
+        "openai", "fake-model", "sk-test"
+    with FakeOpenAI(default=Reply(content=PLAN_REPLY, delay=5)) as server:
+        settings.LONGHAUL_MODEL_BASE_URL = server.base_url
+        slow = call(make_task(acme, alice, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1), 0,
+                    kind="model", name="plan", args=plan_args("slow"))
+        job = threading.Thread(target=operations.run_due, kwargs={"run_for": 30})
+        job.start()
+        try:
+            wait_for(lambda: Operation.objects.get(pk=slow.pk).status == Op.STARTED)
+            later = call(make_task(acme, alice, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1),
+                         0, kind="model", name="plan", args=plan_args("later"))
+            wait_for(lambda: Operation.objects.get(pk=later.pk).status != Op.PENDING)
+            assert Operation.objects.get(pk=slow.pk).status == Op.STARTED, "claimed while the first was still out"
+        finally:
+            job.join(timeout=60)
+    assert set(Operation.objects.filter(pk__in=[slow.pk, later.pk]).values_list("status", flat=True)) == {Op.SUCCEEDED}
+
+
+def plan_args(question: str) -> dict[str, Any]:
+    return {"question": question, "constraints": "", "max_subquestions": 3}
+
+
+def wait_for(condition, timeout: float = 20.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_running_steps_makes_way_for_a_gateway_kick_only_while_no_job_holds_the_turn(acme, alice):
+    kicks.kick("operations", 0)
+    assert kicks.waiting(now=clock.now(), besides=0).jobs, "nobody runs the gateway: the kick must be run"
+    with psycopg.connect(requested.conninfo().replace(f"dbname={connection.settings_dict['NAME']}",
+                                                      "dbname=postgres"), autocommit=True) as elsewhere:
+        elsewhere.execute("SELECT pg_advisory_lock(%s)", [kicks.GATEWAY_TURN_KEY])
+        assert kicks.waiting(now=clock.now(), besides=0).jobs, "another database's gateway job holds another turn"
+    with psycopg.connect(requested.conninfo(), autocommit=True) as gateway_job:
+        gateway_job.execute("SELECT pg_advisory_lock(%s)", [kicks.GATEWAY_TURN_KEY])
+        assert not kicks.waiting(now=clock.now(), besides=0).jobs, "the job holding the turn hears the calls"
+        kicks.kick("deliver", 0)
+        assert kicks.waiting(now=clock.now(), besides=0).jobs, "other jobs still count"
