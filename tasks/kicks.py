@@ -112,16 +112,14 @@ _TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AN
 
 def waiting(*, now: datetime, besides: int) -> Waiting:
     """What waits for a worker that has just run a step of task `besides`: one statement."""
-    jobs = OrmQ.objects.filter(key=_queue_key(), lock__lte=now).values("pk")
-    gateway = OrmQ.objects.filter(key=gateway_key(_queue_key()), lock__lte=now).values("pk")
-    steps = leases.due(now).exclude(pk=besides).values("pk")
-    jobs_sql, jobs_params = jobs[:1].query.sql_with_params()
-    gateway_sql, gateway_params = gateway[:1].query.sql_with_params()
-    steps_sql, steps_params = steps[:1].query.sql_with_params()
     turn_free, turn_params = (_TURN_FREE, (GATEWAY_TURN_KEY,)) if connection.vendor == "postgresql" else ("1 = 1", ())
+    # One pass over the broker's rows for both keys (the turn is looked up once, if a gateway kick waits).
+    jobs_sql = (f"SELECT 1 FROM {OrmQ._meta.db_table} WHERE lock <= %s "
+                f"AND (key = %s OR (key = %s AND {turn_free})) LIMIT 1")
+    jobs_params = (now, _queue_key(), gateway_key(_queue_key()), *turn_params)
+    steps_sql, steps_params = leases.due(now).exclude(pk=besides).values("pk")[:1].query.sql_with_params()
     with connection.cursor() as cursor:
-        cursor.execute(f"SELECT EXISTS({jobs_sql}) OR (EXISTS({gateway_sql}) AND {turn_free}), EXISTS({steps_sql})",
-                       (*jobs_params, *gateway_params, *turn_params, *steps_params))
+        cursor.execute(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params))
         found_jobs, found_steps = cursor.fetchone()
     return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
 
