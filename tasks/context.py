@@ -28,9 +28,11 @@ def digest(value: Any) -> str:
 
 
 class StepContext:
-    def __init__(self, task: Task, *, token: int, checked: bool = False) -> None:
-        """`checked`: `task` was read (or fenced) just now, which counts as the first safe point's read."""
+    def __init__(self, task: Task, *, token: int, checked: bool = False, outcomes: list[Any] | None = None) -> None:
+        """`checked`: `task` was read (or fenced) just now, which counts as the first safe point's read.
+        `outcomes`: the previous step's outcomes, when the runner has just read them (else read when asked)."""
         self.task = task
+        self._outcomes = outcomes
         self.token = token
         self.step = task.current_step  # 0-based index of the step being run
         self.events: list[NewEvent] = []
@@ -63,7 +65,9 @@ class StepContext:
         """Outcomes of the calls (model, tool, MCP) the previous step requested, in request order."""
         from tasks.operations import outcomes
 
-        return outcomes(self.task.pk, self.step - 1) if self.step > 0 else []
+        if self._outcomes is None:
+            self._outcomes = outcomes(self.task.pk, self.step - 1) if self.step > 0 else []
+        return self._outcomes
 
     def emit(self, kind: str, **data: Any) -> None:
         """An event committed with this step's checkpoint."""

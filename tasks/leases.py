@@ -35,7 +35,9 @@ def due(now: datetime) -> QuerySet[Task]:
 
 def claim(task_id: int, *, owner: str, now: datetime) -> Task | None:
     """Take the lease of a task that is claimable, due and not held; None if it is not."""
-    return _claim(due(now).filter(pk=task_id), owner=owner, now=now)
+    if connection.vendor != "postgresql":
+        return _claim(due(now).filter(pk=task_id), owner=owner, now=now)
+    return _claim_in_one(owner=owner, now=now, task_id=task_id)
 
 
 def claim_next(*, owner: str, now: datetime) -> Task | None:
@@ -43,10 +45,18 @@ def claim_next(*, owner: str, now: datetime) -> Task | None:
     just run a step goes on with this one instead of a broker round trip (tasks/runner.py)."""
     if connection.vendor != "postgresql":
         return _claim(due(now).order_by("next_run_at", "pk"), owner=owner, now=now)
+    return _claim_in_one(owner=owner, now=now)
+
+
+def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> Task | None:
+    """PostgreSQL: the task due longest (or task `task_id`, if due), claimed in one statement when it is
+    between two steps; the full claim otherwise."""
     running = TaskStatus.RUNNING.value
     params = [running, *sorted(str(status) for status in CLAIMABLE), now, now,
+              *([] if task_id is None else [task_id]),
               running, now, owner, now + timedelta(seconds=lease_seconds()), now]
-    sql = _CLAIM_NEXT.format(task=Task._meta.db_table, claimable=", ".join(["%s"] * len(CLAIMABLE)))
+    sql = _CLAIM_NEXT.format(task=Task._meta.db_table, claimable=", ".join(["%s"] * len(CLAIMABLE)),
+                             only="" if task_id is None else "AND id = %s")
     picked = next(iter(Task.objects.raw(sql, params)), None)
     if picked is None or picked.claimed:
         return picked
@@ -54,14 +64,15 @@ def claim_next(*, owner: str, now: datetime) -> Task | None:
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now)
 
 
-# leases.due() in one statement, oldest first: the task due longest is locked; when it is between two
-# steps (no takeover, no retry, not its first claim) it is claimed as transitions.claim would (no event, no
-# admission record then) and returned with `claimed`; otherwise it is returned as it is, for the full claim.
+# leases.due() in one statement, oldest first (or only the task asked for): the task due longest is locked;
+# when it is between two steps (no takeover, no retry, not its first claim) it is claimed as transitions.claim
+# would (no event, no admission record then) and returned with `claimed`; otherwise it is returned as it is,
+# for the full claim.
 _CLAIM_NEXT = """
 WITH picked AS (
     SELECT id, (status = %s AND lease_owner = '' AND (current_step > 0 OR attempts > 0)) AS plain
     FROM {task}
-    WHERE status IN ({claimable}) AND next_run_at <= %s AND (lease_owner = '' OR lease_expires_at < %s)
+    WHERE status IN ({claimable}) AND next_run_at <= %s AND (lease_owner = '' OR lease_expires_at < %s) {only}
     ORDER BY next_run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
 ), taken AS (
     UPDATE {task} t SET status = %s, version = t.version + 1, updated_at = %s, lease_owner = %s,

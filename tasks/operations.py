@@ -95,16 +95,20 @@ class OpOutcome:
 
 
 def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime, prefix: str = "r",
-            step: int | None = None) -> datetime:
+            step: int | None = None, new_step: bool = False) -> datetime:
     """Inside the step's commit: store the requested operations as pending rows. Returns when the
     first is due, for the gateway kick.
 
     Keys are task:step:r<n>, `step` being the step that asks (by default the task's current one);
     a step that counted for nothing (a quiet poll) adds its calls to the step before, after the
     ones there. Calls that belong to the task's end rather than to a step (an abandon) are
-    task:step:a<n>, which no step reads as its outcomes."""
+    task:step:a<n>, which no step reads as its outcomes.
+
+    `new_step`: the calls are the first of a step this commit counts, so none is numbered yet (a task's
+    current_step only grows); the keys' uniqueness would refuse a second r0 all the same."""
     step = task.current_step if step is None else step
-    first = Operation.objects.filter(task_id=task.pk, step=step, key__startswith=f"{task.pk}:{step}:{prefix}").count()
+    first = 0 if new_step else Operation.objects.filter(
+        task_id=task.pk, step=step, key__startswith=f"{task.pk}:{step}:{prefix}").count()
     stored = Operation.objects.bulk_create(
         Operation(task_id=task.pk, key=f"{task.pk}:{step}:{prefix}{n}", step=step, n=n, kind=r.kind, name=r.name,
                   pool=pools.key_of(r.kind, r.name, r.args), mode=GATEWAY, args=r.args, args_digest=digest(r.args),
@@ -171,12 +175,19 @@ def _awaited_of_step(task_id: int, step: int):
 
 def outcomes(task_id: int, step: int) -> list[OpOutcome]:
     """The operations requested by `step`, in request order."""
-    return [
+    return outcomes_and_wait(task_id, step)[0]
+
+
+def outcomes_and_wait(task_id: int, step: int) -> tuple[list[OpOutcome], bool]:
+    """outcomes() and unfinished() in one read: what a step resumed after its calls needs first."""
+    ops = list(_of_step(task_id, step).order_by("n"))
+    found = [
         OpOutcome(name=op.name, args=op.args, ok=op.status == OperationStatus.SUCCEEDED, result=op.result,
                   error_class=op.error_class, error_message=op.error_message, usage=op.usage,
                   finished=op.status in FINISHED)
-        for op in _of_step(task_id, step).order_by("n")
+        for op in ops
     ]
+    return found, any(op.status not in FINISHED and _awaited(op.key) for op in ops)
 
 
 def unfinished(task_id: int, step: int) -> bool:
@@ -373,10 +384,11 @@ def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
             chosen = [c.op_id for c in _choose(key, room, now)]
             rows = list(Operation.objects.select_for_update(skip_locked=True, of=("self",))
                         .filter(_due(now), pk__in=chosen).order_by("id"))
+            # The rows are locked: one UPDATE starts them all.
+            Operation.objects.filter(pk__in=[op.pk for op in rows]).update(
+                status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
+                attempts=F("attempts") + 1, started_at=now)
             for op in rows:
-                Operation.objects.filter(pk=op.pk).update(
-                    status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
-                    attempts=op.attempts + 1, started_at=now)
                 op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
             pools.spend_requests(pool, len(rows))
             claimed.extend(rows)
@@ -535,7 +547,8 @@ def _steps_with_calls_out(task_ids: set[int]) -> set[tuple[int, int]]:
 
 
 def _awaited(key: str) -> bool:
-    """task:step:r<n> is a step's call; a<n> belongs to the task's end, w<n> watches while its owner is asked."""
+    """task:step:r<n> is a step's call; a<n> belongs to the task's end, w<n> watches while its owner is asked
+    (_awaited_of_step says the same in SQL)."""
     return not key.split(":")[2].startswith(("a", WATCH_PREFIX))
 
 

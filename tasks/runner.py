@@ -21,6 +21,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 
 from tasks import clock, kicks, leases, operations, transitions
 from tasks.alerts import raise_alert
@@ -147,12 +148,17 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
     if reason:
         return _end_for_budget(task, token, driver, reason), None
 
+    outcomes: list[operations.OpOutcome] | None = None  # the last step's calls, read with the wait check
     if carried is not None:
         state = carried
     else:
-        if task.current_step > 0 and operations.unfinished(task.pk, task.current_step - 1) and _wait_again(task, token):
-            # Resumed (after a pause, say) while calls of the last step were still out: it waits for them.
-            return None, None
+        if task.current_step > 0:
+            outcomes, waits = operations.outcomes_and_wait(task.pk, task.current_step - 1)
+            if waits:
+                if _wait_again(task, token):
+                    # Resumed (after a pause, say) while calls of the last step were still out: it waits for them.
+                    return None, None
+                outcomes = None  # they finished meanwhile: the step reads them again
         checkpoint = latest_checkpoint(task)
         if checkpoint is not None and checkpoint.schema_version > driver.schema_version:
             # A newer worker wrote this checkpoint; leave the task for a worker that can read it.
@@ -164,7 +170,7 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
 
     # The claim or the commit that handed this worker the task read its stop requests and fencing token
     # a moment ago: the step's first safe point need not read them again.
-    ctx = StepContext(task, token=token, checked=True)
+    ctx = StepContext(task, token=token, checked=True, outcomes=outcomes)
     heartbeat.hold(task.pk, owner=turn.owner, token=token)
     try:
         ctx.check_safe_point()
@@ -217,6 +223,13 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                         hand_on(task.pk)
                     return None
                 return task
+        elif _asks_for_calls(outcome) and not _quiet(outcome, state_before, events, task.current_step):
+            # A step that asks for calls (research, MCP): the same fenced UPDATE with no row read first, then
+            # its calls and checkpoint; the locked commit below when it loses.
+            if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED):
+                Checkpoint.objects.create(task_id=task.pk, step=task.current_step, fencing_token=token,
+                                          state=outcome.state, schema_version=driver.schema_version, at=now)
+                return None
         fresh = leases.lock_fenced(task.pk, token)
         if fresh.cancel_requested_at and remote_cancelling(driver) is not None:
             # What a step learned from a remote server after the cancel request is discarded (DESIGN §10).
@@ -227,10 +240,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                                       message=ALREADY_TRACKED))
             # No abandon: the remote task is another task's work, which must go on.
             return None
-        # A poll that learned nothing new is no step: no checkpoint (the last one says the same) and no step
-        # counted, only its next poll, which joins the calls of the step that asked for the first.
-        quiet = (isinstance(outcome, Continue) and bool(outcome.requests) and outcome.state == state_before
-                 and not events and fresh.current_step > 0)
+        quiet = _quiet(outcome, state_before, events, fresh.current_step)
         if not quiet:
             Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
                                       state=outcome.state, schema_version=driver.schema_version, at=now)
@@ -249,7 +259,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                 kicks.kick("operations", task.pk, at=due)
             return None
         if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
-            _wait_for_requests(fresh, token, outcome, events, now=now, step_done=not quiet)
+            must_win(_wait_for_requests(fresh, token, outcome, events, now=now, step_done=not quiet))
             return None
         # Asked to give its slot back: the step commits, then the task queues again (in the same transaction).
         yielding = fresh.yield_requested_at is not None and isinstance(outcome, Continue)
@@ -274,21 +284,37 @@ def _plain(outcome: Outcome) -> bool:
     return isinstance(outcome, Continue) and not outcome.requests and outcome.remote is None
 
 
+def _asks_for_calls(outcome: Outcome) -> bool:
+    """A step that moves the task on to wait for its calls, learning no remote facts."""
+    return isinstance(outcome, Continue) and bool(outcome.requests) and outcome.remote is None
+
+
+def _quiet(outcome: Outcome, state_before: dict | None, events: list[NewEvent], current_step: int) -> bool:
+    """A poll that learned nothing new is no step: no checkpoint (the last one says the same) and no step
+    counted, only its next poll, which joins the calls of the step that asked for the first."""
+    return (isinstance(outcome, Continue) and bool(outcome.requests) and outcome.state == state_before
+            and not events and current_step > 0)
+
+
 def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[NewEvent], *, now: datetime,
-                       step_done: bool = True) -> None:
-    """Inside the fenced commit: store the calls the step asked for and wait for them, holding no worker.
-    `step_done=False`: the step counts for nothing, and its calls join those of the step before."""
-    due = operations.request(task, token=token, requests=outcome.requests, now=now,
-                             step=None if step_done else task.current_step - 1)
+                       step_done: bool = True, guard: Q | None = None) -> bool:
+    """Inside the fenced commit: store the calls the step asked for and wait for them, holding no worker;
+    False (nothing written) when the fenced UPDATE lost. `step_done=False`: the step counts for nothing,
+    and its calls join those of the step before. `guard`: as transitions.commit_step's."""
+    step = task.current_step if step_done else task.current_step - 1  # before the transition moves it on
     if any(r.kind == "mcp" for r in outcome.requests):
         # The remote tool is working: the task says running while its calls (and polls) are out.
-        must_win(transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
-                                         tracking_degraded=outcome.tracking_degraded))
+        won = transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
+                                          tracking_degraded=outcome.tracking_degraded, guard=guard)
     else:
         tool = any(r.kind == "tool" for r in outcome.requests)
-        must_win(transitions.wait_for_operations(task, token=token, now=now, tool=tool, events=events,
-                                             step_done=step_done))
+        won = transitions.wait_for_operations(task, token=token, now=now, tool=tool, events=events,
+                                              step_done=step_done, guard=guard)
+    if not won:
+        return False
+    due = operations.request(task, token=token, requests=outcome.requests, now=now, step=step, new_step=step_done)
     kicks.kick("operations", task.pk, at=due)
+    return True
 
 
 def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: dict, *, owner: str) -> None:
@@ -322,7 +348,7 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
         if outcome.state != state or events:
             Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
                                       state=outcome.state, schema_version=get_driver(task.kind).schema_version, at=now)
-        _wait_for_requests(fresh, token, outcome, events, now=now)
+        must_win(_wait_for_requests(fresh, token, outcome, events, now=now))
     return None
 
 

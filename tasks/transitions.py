@@ -253,10 +253,11 @@ def yield_slot(task: Task, *, token: int | None, now: datetime) -> bool:
 
 
 def wait_for_operations(
-    task: Task, *, token: int, now: datetime, tool: bool, events: list[NewEvent], step_done: bool = True
+    task: Task, *, token: int, now: datetime, tool: bool, events: list[NewEvent], step_done: bool = True,
+    guard: Q | None = None,
 ) -> bool:
     """running -> waiting_tool (tool calls) or running waiting for the model: no worker, no lease,
-    not due until a gateway job has finished every requested operation."""
+    not due until a gateway job has finished every requested operation. `guard`: as commit_step's."""
     fields: dict[str, Any] = {**_released(), "next_run_at": None, "waiting_reason": "tool" if tool else "model",
                               "attempts": 0}
     if step_done:
@@ -264,12 +265,13 @@ def wait_for_operations(
     to = S.WAITING_TOOL if tool else S.RUNNING
     if tool:
         events = [*events, NewEvent("waiting_tool", {})]
-    return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events)
+    return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
+                 guard=guard)
 
 
 def wait_for_remote(
     task: Task, *, token: int, now: datetime, events: list[NewEvent], step_done: bool = True,
-    tracking_degraded: bool | None = None,
+    tracking_degraded: bool | None = None, guard: Q | None = None,
 ) -> bool:
     """running -> running with waiting_reason "tool", no worker, no lease, not due: a remote MCP job
     works while its calls (tools/call, a poll at the server's interval, tasks/update, tasks/cancel)
@@ -280,7 +282,7 @@ def wait_for_remote(
     if step_done:
         fields["current_step"] = task.current_step + 1
     return _stay_running(task, token=token, now=now, fields=fields, events=events,
-                         tracking_degraded=tracking_degraded)
+                         tracking_degraded=tracking_degraded, guard=guard)
 
 
 def wait_input(task: Task, *, token: int, now: datetime, question: str, events: list[NewEvent],

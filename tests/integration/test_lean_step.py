@@ -1,6 +1,7 @@
 """The hot path's statements: a step that continues in place commits in one fenced UPDATE (checkpoint,
 events, next step due) with no read of the row first, and falls back to the locked commit when the
-row moved on under it."""
+row moved on under it. A step that asks for calls (research, MCP) commits them the same way, after
+reading the last step's calls once."""
 
 from __future__ import annotations
 
@@ -9,16 +10,22 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 
-from tasks import actions, clock, jobs, leases, runner
+from tasks import actions, clock, jobs, leases, operations, runner
 from tasks.context import StepContext
-from tasks.drivers import Continue, get_driver
+from tasks.drivers import Continue, OpRequest, get_driver
 from tasks.errors import LeaseLost
-from tasks.models import Checkpoint, Task
+from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import TaskStatus
 from tests.factories import submit_sleep
 
 pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, not savepoints
 IN_PLACE_STATEMENTS = 6  # the waiting probe, BEGIN, the fenced UPDATE, the events, the checkpoint, COMMIT
+# A research step after a kick: the claim, the last step's calls, the checkpoint; BEGIN, the fenced UPDATE, the
+# events, the calls, their pools' pauses, the gateway kick, the checkpoint, COMMIT; the turn's closing look.
+RESUMED_WITH_CALLS_STATEMENTS = 12
+MOVES_ON = Continue({"done": 1, "of": 3})
+ASKS_FOR_CALLS = Continue({"done": 1, "of": 3}, requests=[OpRequest(kind="tool", name="search",
+                                                                     args={"query": "asyncio cancellation"})])
 
 
 def steps_of(queries: list[dict]) -> list[list[str]]:
@@ -56,7 +63,8 @@ def test_a_step_that_continues_in_place_sends_at_most_six_statements(acme, alice
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
 
 
-def test_a_stop_asked_for_during_the_step_is_honoured_by_the_locked_commit(acme, alice, settings):
+@pytest.mark.parametrize("outcome", [MOVES_ON, ASKS_FOR_CALLS], ids=["moves on", "asks for calls"])
+def test_a_stop_asked_for_during_the_step_is_honoured_by_the_locked_commit(acme, alice, settings, outcome):
     settings.LONGHAUL_STEP_SLICE_MS = 60_000
     task = submit_sleep(acme, alice, steps=3)
     held = leases.claim(task.pk, owner="worker:1", now=clock.now())
@@ -64,17 +72,19 @@ def test_a_stop_asked_for_during_the_step_is_honoured_by_the_locked_commit(acme,
     actions.request_cancel(task=Task.objects.get(pk=task.pk), user=alice, reason="enough")
 
     ctx = StepContext(held, token=held.fencing_token)
-    kept = runner._commit(held, held.fencing_token, get_driver("sleep"), Continue({"done": 1, "of": 3}), ctx,
-                          keep_lease=True)
+    kept = runner._commit(held, held.fencing_token, get_driver("sleep"), outcome, ctx, keep_lease=True,
+                          state_before={})
 
     assert kept is None, "the worker must not run another step of a task asked to stop"
     task.refresh_from_db()
     assert task.status == TaskStatus.CANCELLED
     assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1]
+    assert not Operation.objects.filter(task=task).exclude(status="failed").exists(), "no call is left to run"
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
 
 
-def test_a_fenced_out_worker_writes_nothing_without_reading_the_row_first(acme, alice):
+@pytest.mark.parametrize("outcome", [MOVES_ON, ASKS_FOR_CALLS], ids=["moves on", "asks for calls"])
+def test_a_fenced_out_worker_writes_nothing_without_reading_the_row_first(acme, alice, outcome):
     task = submit_sleep(acme, alice, steps=3)
     stale = leases.claim(task.pk, owner="worker:1", now=clock.now())
     assert stale is not None
@@ -83,7 +93,47 @@ def test_a_fenced_out_worker_writes_nothing_without_reading_the_row_first(acme, 
 
     ctx = StepContext(stale, token=stale.fencing_token)
     with pytest.raises(LeaseLost):
-        runner._commit(stale, stale.fencing_token, get_driver("sleep"), Continue({"done": 1, "of": 3}), ctx,
-                       keep_lease=True)
+        runner._commit(stale, stale.fencing_token, get_driver("sleep"), outcome, ctx, keep_lease=True,
+                       state_before={})
     assert not Checkpoint.objects.filter(task=task).exists()
+    assert not Operation.objects.filter(task=task).exists()
     assert Task.objects.get(pk=task.pk).last_event_seq == before
+
+
+def submit_research(tenant, user) -> Task:
+    task, _ = actions.submit(tenant=tenant, user=user, submission=actions.Submission(
+        kind="research", input={"question": "How does asyncio task cancellation work?"}))
+    return task
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="counts PostgreSQL's statements (one-statement claim)")
+def test_a_step_resumed_after_its_calls_reads_them_once_and_asks_for_more_without_reading_the_row(
+        acme, alice, settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+    task = submit_research(acme, alice)
+    jobs.advance(task.pk)  # the plan: one model call
+    operations.run_due(run_for=5)
+    task.refresh_from_db()
+    asked_at = task.current_step
+    assert not operations.unfinished(task.pk, asked_at - 1)
+
+    with CaptureQueriesContext(connection) as queries:
+        jobs.advance(task.pk)
+
+    task.refresh_from_db()
+    assert task.current_step == asked_at + 1
+    assert operations.unfinished(task.pk, asked_at), "the step asked for its searches"
+    statements = [query["sql"] for query in queries.captured_queries]
+    commit = statements[statements.index("BEGIN"):]
+    commit = commit[:commit.index("COMMIT") + 1]
+    before_commit = statements[:len(statements) - len(commit) - 1]
+    assert sum('FROM "tasks_operation"' in sql for sql in before_commit) == 1, (
+        f"the last step's calls are read once, for the wait check and the driver: {before_commit}")
+    assert not [sql for sql in commit if sql.startswith("SELECT") and 'FROM "tasks_task"' in sql], (
+        f"the step's commit is a fenced UPDATE, with no read of the row first: {commit}")
+    assert not [sql for sql in commit if "COUNT(" in sql], f"a new step's calls are numbered from 0: {commit}"
+    assert len(statements) <= RESUMED_WITH_CALLS_STATEMENTS, statements
+    assert list(Operation.objects.filter(task=task, step=asked_at).order_by("n").values_list("n", flat=True)) == (
+        list(range(Operation.objects.filter(task=task, step=asked_at).count())))
+    assert Checkpoint.objects.filter(task=task, step=task.current_step).exists()
+    assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))

@@ -81,18 +81,18 @@ def test_a_resumed_task_whose_calls_finished_during_its_claim_is_due_again(acme,
     # (still running) and its wait for them: the competing write, run between the read and the write.
     held = leases.claim(task.pk, owner="worker:1", now=clock.now())
     assert held is not None
-    original = operations.unfinished
+    original = operations.outcomes_and_wait
     raced = []
 
     def unfinished_then_the_call_finishes(task_id, step):
-        found = original(task_id, step)
-        if found and not raced:
+        found, waits = original(task_id, step)
+        if waits and not raced:
             raced.append(finish_call(op))
-        return found
+        return found, waits
 
-    monkeypatch.setattr(operations, "unfinished", unfinished_then_the_call_finishes)
+    monkeypatch.setattr(operations, "outcomes_and_wait", unfinished_then_the_call_finishes)
     runner.run(held, owner="worker:1")
-    monkeypatch.setattr(operations, "unfinished", original)
+    monkeypatch.setattr(operations, "outcomes_and_wait", original)
     assert raced == [True]
 
     task.refresh_from_db()

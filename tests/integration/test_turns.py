@@ -5,6 +5,8 @@ ends, one kick for the released task due longest hands the rest on, unless someb
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 from django.conf import settings as django_settings
 from django.db import connection
@@ -173,6 +175,24 @@ def test_a_task_between_steps_is_claimed_in_one_statement_and_moves_its_fence(ac
     assert (taken.lease_owner, taken.fencing_token, taken.version, taken.input) == (
         row.lease_owner, row.fencing_token, row.version, row.input)
     assert leases.claim_next(owner="worker:3", now=clock.now()) is None, "held now"
+
+
+def test_a_kicked_task_between_steps_is_claimed_in_one_statement(acme, alice):
+    task = submit_sleep(acme, alice, steps=3)
+    first = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    Task.objects.filter(pk=task.pk).update(lease_owner="", lease_expires_at=None, current_step=1, attempts=0)
+    other = submit_sleep(acme, alice, steps=3)
+    Task.objects.filter(pk=other.pk).update(next_run_at=clock.now() - timedelta(minutes=1))  # due longer, not asked
+
+    with CaptureQueriesContext(connection) as queries:
+        taken = leases.claim(task.pk, owner="worker:2", now=clock.now())
+
+    assert taken is not None and taken.pk == task.pk
+    assert len(queries.captured_queries) == (1 if connection.vendor == "postgresql" else 4)
+    row = Task.objects.get(pk=task.pk)
+    assert (row.lease_owner, row.fencing_token, row.attempts) == ("worker:2", first.fencing_token + 1, 1)
+    assert Task.objects.get(pk=other.pk).lease_owner == ""
+    assert leases.claim(task.pk, owner="worker:3", now=clock.now()) is None, "held now"
 
 
 def test_a_retry_due_is_claimed_with_its_event_by_the_full_claim(acme, alice):
