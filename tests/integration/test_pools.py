@@ -308,6 +308,20 @@ def test_a_busy_pools_slots_follow_tenant_weights(acme, alice, globex, charlie, 
 
 
 @pytest.mark.django_db
+def test_calls_a_tenant_already_has_out_count_against_its_share(acme, alice, globex, charlie, settings):
+    settings.LONGHAUL_POOLS = {"tool:search": {"concurrency": 4}}
+    in_flight(waiting_for_tools(acme, alice), 0)
+    in_flight(waiting_for_tools(acme, alice), 0)
+    # Equal weights, acme asked first and holds 2 of the 4 slots: the 2 left are globex's.
+    for tenant, user in ((acme, alice), (globex, charlie)):
+        for _ in range(3):
+            call(waiting_for_tools(tenant, user), 0)
+
+    got = Counter(Task.objects.get(pk=op.task_id).tenant_id for op in claimed())
+    assert got == {globex.pk: 2}
+
+
+@pytest.mark.django_db
 def test_a_tenant_with_many_older_calls_does_not_hide_another_tenants_one(acme, alice, globex, charlie, settings):
     settings.LONGHAUL_POOLS = {"tool:search": {"concurrency": 4}}
     Tenant.objects.filter(pk=globex.pk).update(weight=10)
