@@ -448,8 +448,9 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
     if peer is not None and e2e_p50 > queued_p50:
         report.notes.append(
             f"Why one task alone takes longer: its 5 steps take about {5 * p50_gap:.0f} ms ({p50_gap:.1f} ms each). "
-            f"The rest of its {e2e_p50:.0f} ms is django-q2 taking its first kick from the broker, which it polls "
-            "every 50 ms (LONGHAUL_Q_POLL); DBOS's queue polls every 50 ms as well.")
+            f"The rest of its {e2e_p50:.0f} ms is django-q2 taking its first kick from the broker (its pusher wakes "
+            "when the kick commits, tasks/broker.py) and handing it to a worker process; DBOS's queue polls every "
+            "50 ms.")
     return report
 
 

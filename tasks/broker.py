@@ -8,16 +8,26 @@ is only a hint for a task that is due in the task table, where a worker that is 
 running steps takes it straight away (tasks/runner.py), and a gateway kick is only a hint
 while a gateway job holds the turn, which hears the calls requested (tasks/requested.py).
 Keeping them apart is what lets the runner's probe tell them apart in one indexed query.
+
+On PostgreSQL the pusher, when its queue is empty, waits for a kick instead of sleeping: the statement
+trigger of migration 0025 notifies CHANNEL when a commit puts a job on the table due now, so a task
+submitted to an idle cluster starts at once rather than up to a poll interval later. Only a hint: the wait
+ends after the poll interval all the same, and a pusher that cannot listen sleeps it, as before.
 """
 
 from __future__ import annotations
 
-from time import sleep
+import contextlib
+import logging
+from time import monotonic, sleep
+from typing import Any
 
 from django.utils import timezone
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
 
+log = logging.getLogger(__name__)
+CHANNEL = "longhaul_kicks"
 STEPS_SUFFIX = ":steps"
 GATEWAY_SUFFIX = ":gateway"
 
@@ -34,6 +44,9 @@ def gateway_key(cluster: str) -> str:
 
 class Broker(ORM):
     """The ORM broker over three keys: the cluster's queue, its step kicks and its gateway kicks."""
+
+    _listening: Any = None  # the pusher's own connection, LISTENing on CHANNEL; None until its queue is empty
+    _warned = False  # the log said listening failed, and it has not worked since
 
     @property
     def keys(self) -> tuple[str, str, str]:
@@ -57,5 +70,40 @@ class Broker(ORM):
         if taken:
             return taken
         if not rows:
-            sleep(Conf.POLL)  # an empty queue: spare the CPU, as ORM.dequeue does
+            self._wait_for_a_kick()  # an empty queue: spare the CPU, as ORM.dequeue does
         return None
+
+    def _wait_for_a_kick(self) -> None:
+        """Until a kick is committed (PostgreSQL), or the poll interval has passed."""
+        import psycopg
+
+        from tasks.requested import conninfo
+
+        try:
+            if self._listening is None or self._listening.closed:
+                where = conninfo()
+                if where is None:  # SQLite: nothing to listen to
+                    sleep(Conf.POLL)
+                    return
+                self._listening = psycopg.connect(where, autocommit=True)
+                self._listening.execute(f"LISTEN {CHANNEL}")
+            # Notifications that came while the pusher was busy are kept by the connection: the wait then
+            # ends at once, and the next dequeue finds the job or (already taken) nothing.
+            deadline = monotonic() + Conf.POLL
+            while (left := deadline - monotonic()) > 0:
+                heard = [n.payload for n in self._listening.notifies(timeout=left, stop_after=1)]
+                if any(key in self.keys for key in heard):  # another cluster's kick is not this pusher's
+                    break
+            self._warned = False
+        except (psycopg.Error, OSError) as exc:
+            if not self._warned:  # once per loss, not on every poll while the database is away
+                log.warning("broker: not listening for kicks (%s); polling every %s s", exc, Conf.POLL)
+                self._warned = True
+            self._stop_listening()
+            sleep(Conf.POLL)
+
+    def _stop_listening(self) -> None:
+        if self._listening is not None:
+            with contextlib.suppress(Exception):  # closing a broken connection: nothing left to save
+                self._listening.close()
+            self._listening = None

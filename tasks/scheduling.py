@@ -44,7 +44,7 @@ from django.db.models import Case, Count, Exists, F, OuterRef, QuerySet, Subquer
 from django.db.models.functions import Coalesce
 
 from tasks import admission_policy as policy
-from tasks import admission_records, kicks, transitions
+from tasks import admission_records, clock, kicks, transitions
 from tasks.alerts import raise_alert
 from tasks.budgets import Budget
 from tasks.errors import QuotaExceeded
@@ -183,6 +183,9 @@ def admit(*, now: datetime) -> list[int]:
     """
     assert connection.in_atomic_block, "admission commits with the change that freed the slot"
     _serialize_admission()
+    # Stamped now, holding the lock: the caller read `now` before it queued for it, perhaps before the commit
+    # that freed the slot it is about to fill. Its admission must not look older than that slot's end.
+    now = max(now, clock.now())
     system = system_policy()
     free = system.max_running - Task.objects.filter(status__in=_SLOT_STATUSES).count()
     if free <= 0 and not settings.LONGHAUL_TAKE_SLOTS_BACK:

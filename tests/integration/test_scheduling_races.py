@@ -10,7 +10,7 @@ import pytest
 from django.db import connection, transaction
 
 from tasks import clock, scheduling, transitions
-from tasks.models import Task, Tenant
+from tasks.models import AdmissionRecord, Task, TaskEvent, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
 from tests.factories import make_task
 from tests.processes import wait_until
@@ -137,3 +137,37 @@ def test_slots_freed_and_refilled_concurrently_stay_within_every_cap(acme, alice
         assert slots() <= 5
         assert slots(tenant=acme) <= 3 and slots(tenant=globex) <= 3
     assert slots() == 5, "every freed slot was refilled"
+
+
+def test_an_admission_that_waited_for_a_freed_slot_is_stamped_after_the_slot_was_freed(acme, alice, settings):
+    """Admission times tell when slots were held (fairness, admission waits): a slot is taken no earlier than it
+    was freed, even by an admitter whose transaction read the clock before it queued for the admission lock."""
+    settings.LONGHAUL_MAX_RUNNING = 1
+    running = make_task(acme, alice, status=S.RUNNING)
+    waiting = make_task(acme, alice, status=S.QUEUED)
+    asked_at = clock.now()  # the second admitter's transaction began here, before the slot was freed
+    freeing, release = threading.Event(), threading.Event()
+
+    def free_the_slot() -> None:
+        with transaction.atomic():
+            scheduling._serialize_admission()  # as a transition freeing a slot admits in its transaction
+            Task.objects.filter(pk=running.pk).update(status=S.SUCCEEDED, finished_at=clock.now())
+            freeing.set()
+            release.wait(30)
+
+    first, _ = on_thread(free_the_slot)
+    assert freeing.wait(30)
+    second, admitted = on_thread(lambda: transaction.atomic()(scheduling.admit)(now=asked_at))
+    try:
+        wait_until(lambda: waiting_on_an_advisory_lock() or not second.is_alive(), timeout=10, interval=0.01,
+                   message="the second admitter to wait for the first")
+    finally:
+        release.set()
+        first.join(30)
+        second.join(30)
+
+    assert admitted == [[waiting.pk]], admitted
+    freed_at = Task.objects.get(pk=running.pk).finished_at
+    admission = TaskEvent.objects.get(task_id=waiting.pk, kind="admitted")
+    assert admission.at >= freed_at, (admission.at, freed_at)
+    assert AdmissionRecord.objects.get(task_id=waiting.pk).admitted_at >= freed_at
