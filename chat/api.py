@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.db.models import OuterRef, QuerySet, Subquery
+from django.db.models import Count, OuterRef, QuerySet, Subquery, Window
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
@@ -56,14 +56,22 @@ def get_thread(request: Request, thread_id: str) -> Thread:
     return get_by_public_id(owned_threads(request), thread_id, noun="thread")
 
 
-def panel_tasks(thread: Thread, *, limit: int = PANEL_LIMIT) -> list[Task]:
+def panel_tasks(thread: Thread, *, limit: int = PANEL_LIMIT) -> tuple[list[Task], int]:
     """The thread's tasks for the panel, at most `limit`: active ones first, then the recently
-    ended, newest first in each; with each one's latest phase."""
+    ended, newest first in each, with each one's latest phase; and how many of its tasks are active,
+    listed or not (the badge, which also sets how soon the panel looks again).
+
+    The count comes with the active rows, from the same statement, so it counts every active task
+    listed; the ended ones are read after, leaving out those listed: a task that ended between the two
+    reads is listed once, as active, until the next look. (Read apart, it was listed twice, and could be
+    counted apart from its row.)
+    """
     latest_phase = TaskEvent.objects.filter(task=OuterRef("pk"), kind__in=PHASES).order_by("-seq").values("kind")[:1]
     tasks = Task.objects.filter(thread=thread).annotate(latest_phase=Subquery(latest_phase)).order_by("-created_at")
-    active = list(tasks.exclude(status__in=TERMINAL)[:limit])
-    ended = list(tasks.filter(status__in=TERMINAL)[:limit - len(active)]) if len(active) < limit else []
-    return active + ended
+    active = list(tasks.exclude(status__in=TERMINAL).annotate(active_in_thread=Window(Count("pk")))[:limit])
+    ended = (list(tasks.filter(status__in=TERMINAL).exclude(pk__in=[task.pk for task in active])[:limit - len(active)])
+             if len(active) < limit else [])
+    return active + ended, active[0].active_in_thread if active else 0
 
 
 def proposals_of(thread: Thread, messages: list[Message]) -> dict[str, Proposal]:
@@ -124,9 +132,13 @@ class ThreadMessages(APIView):
         thread = get_thread(request, thread_id)
         after = _int_param(request, "after", 0, low=0, high=2**62)
         limit = _int_param(request, "limit", 100, low=1, high=MAX_MESSAGES_PAGE)
+        # Busy first: a run that ends between the two reads is then still called busy and its reply comes
+        # with the next poll. The other way round, the page could lack the reply and say not busy, and the
+        # chat page, which fetches again only while busy (a run's end sends nothing on its socket), would
+        # wait for ever.
+        busy = Run.objects.filter(thread=thread, status__in=runs.ACTIVE).exists()
         messages = list(Message.objects.filter(thread=thread, hidden=False, seq__gt=after)
                         .select_related("run").order_by("seq")[:limit])
-        busy = Run.objects.filter(thread=thread, status__in=runs.ACTIVE).exists()
         context = {"proposals": proposals_of(thread, messages)}
         return Response({"results": MessageSerializer(messages, many=True, context=context).data,
                          "next_after": messages[-1].seq if messages else after, "busy": busy})
@@ -159,9 +171,7 @@ class ThreadTasks(APIView):
     def get(self, request: Request, thread_id: str) -> Response:
         thread = get_thread(request, thread_id)
         limit = _int_param(request, "limit", PANEL_LIMIT, low=1, high=MAX_PANEL_LIMIT)
-        tasks = panel_tasks(thread, limit=limit)
-        # Counted apart from the page: the badge counts every active task, listed or not.
-        active = Task.objects.filter(thread=thread).exclude(status__in=TERMINAL).count()
+        tasks, active = panel_tasks(thread, limit=limit)
         return Response({"results": PanelTaskSerializer(tasks, many=True).data, "active": active})
 
 
