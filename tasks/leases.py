@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -13,7 +14,7 @@ from django.db.models import Q, QuerySet
 
 from tasks import transitions
 from tasks.errors import LeaseLost
-from tasks.models import Task
+from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import CLAIMABLE, TaskStatus
 
 
@@ -48,17 +49,31 @@ def claim_next(*, owner: str, now: datetime) -> Task | None:
     return _claim_in_one(owner=owner, now=now)
 
 
+@dataclass(frozen=True)
+class Resume:
+    """What a step resumed from the database reads first, read by the statement that claimed its task
+    (Task.resume): the task's latest checkpoint, and whether the step before asked for any call (when
+    it did not, there are no outcomes to read and nothing to wait for)."""
+
+    checkpoint: Checkpoint | None
+    calls_asked: bool
+
+
 def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> Task | None:
     """PostgreSQL: the task due longest (or task `task_id`, if due), claimed in one statement when it is
-    between two steps; the full claim otherwise."""
+    between two steps, with its Resume; the full claim otherwise."""
     running = TaskStatus.RUNNING.value
     params = [running, *sorted(str(status) for status in CLAIMABLE), now, now,
               *([] if task_id is None else [task_id]),
               running, now, owner, now + timedelta(seconds=lease_seconds()), now]
-    sql = _CLAIM_NEXT.format(task=Task._meta.db_table, claimable=", ".join(["%s"] * len(CLAIMABLE)),
+    sql = _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
+                             operation=Operation._meta.db_table, claimable=", ".join(["%s"] * len(CLAIMABLE)),
                              only="" if task_id is None else "AND id = %s")
     picked = next(iter(Task.objects.raw(sql, params)), None)
-    if picked is None or picked.claimed:
+    if picked is None:
+        return None
+    if picked.claimed:
+        picked.resume = _resume_of(picked)
         return picked
     # A retry, a takeover or a first claim: transitions.claim writes its event or admission record.
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now)
@@ -66,7 +81,8 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
 
 # leases.due() in one statement, oldest first (or only the task asked for): the task due longest is locked;
 # when it is between two steps (no takeover, no retry, not its first claim) it is claimed as transitions.claim
-# would (no event, no admission record then) and returned with `claimed`; otherwise it is returned as it is,
+# would (no event, no admission record then) and returned with `claimed`, beside what its step reads first
+# (its latest checkpoint, and whether the step before asked for calls); otherwise it is returned as it is,
 # for the full claim.
 _CLAIM_NEXT = """
 WITH picked AS (
@@ -81,10 +97,28 @@ WITH picked AS (
     FROM picked WHERE t.id = picked.id AND picked.plain
     RETURNING t.*
 )
-SELECT taken.*, true AS claimed FROM taken
+SELECT taken.*, true AS claimed, cp.id AS cp_id, cp.step AS cp_step, cp.fencing_token AS cp_fencing_token,
+    cp.state AS cp_state, cp.schema_version AS cp_schema_version, cp.at AS cp_at,
+    EXISTS (SELECT 1 FROM {operation} o WHERE o.task_id = taken.id AND o.step = taken.current_step - 1)
+        AS calls_asked
+FROM taken LEFT JOIN LATERAL (
+    SELECT * FROM {checkpoint} c WHERE c.task_id = taken.id ORDER BY c.step DESC LIMIT 1) cp ON true
 UNION ALL
-SELECT t.*, false AS claimed FROM {task} t JOIN picked ON picked.id = t.id WHERE NOT picked.plain
+SELECT t.*, false AS claimed, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM {task} t JOIN picked ON picked.id = t.id WHERE NOT picked.plain
 """
+
+
+def _resume_of(picked: Task) -> Resume:
+    """What the claim read beside the row: the checkpoint (its sealed state opened as a read would)."""
+    if picked.cp_id is None:
+        return Resume(checkpoint=None, calls_asked=picked.calls_asked)
+    fields = ("id", "task_id", "step", "fencing_token", "state", "schema_version", "at")
+    state = Checkpoint._meta.get_field("state").from_db_value(picked.cp_state, None, connection)
+    checkpoint = Checkpoint.from_db(connection.alias, fields, (
+        picked.cp_id, picked.pk, picked.cp_step, picked.cp_fencing_token, state, picked.cp_schema_version,
+        picked.cp_at))
+    return Resume(checkpoint=checkpoint, calls_asked=picked.calls_asked)
 
 
 def _claim(rows: QuerySet[Task], *, owner: str, now: datetime) -> Task | None:

@@ -8,7 +8,7 @@ tasks/transitions.py and tasks/leases.py, never through read-modify-save().
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.db import models
@@ -16,6 +16,9 @@ from django.db.models import F, Q
 
 from tasks.sealed import SealedJSONField, SealedModel, SealedQuerySet, SealedTextField
 from tasks.statuses import CLAIMABLE, HOLDS_SLOT, TERMINAL, ErrorClass, NotificationStatus, OperationStatus, TaskStatus
+
+if TYPE_CHECKING:
+    from tasks.leases import Resume
 
 
 class Tenant(models.Model):
@@ -178,6 +181,10 @@ class Task(SealedModel):
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField()
+
+    # Not a column: what the claim that returned this row read beside it for the step it resumes
+    # (tasks/leases.py); None when the step must read it itself. Consumed by that step (tasks/runner.py).
+    resume: Resume | None = None
 
     objects = SealedQuerySet.as_manager()
     class Meta:

@@ -149,17 +149,20 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
         return _end_for_budget(task, token, driver, reason), None
 
     outcomes: list[operations.OpOutcome] | None = None  # the last step's calls, read with the wait check
+    resume, task.resume = task.resume, None  # what the claim read for this step, if it did
     if carried is not None:
         state = carried
     else:
-        if task.current_step > 0:
+        if task.current_step > 0 and resume is not None and not resume.calls_asked:
+            outcomes = []  # the step before asked for no call: nothing to read, nothing to wait for
+        elif task.current_step > 0:
             outcomes, waits = operations.outcomes_and_wait(task.pk, task.current_step - 1)
             if waits:
                 if _wait_again(task, token):
                     # Resumed (after a pause, say) while calls of the last step were still out: it waits for them.
                     return None, None
                 outcomes = None  # they finished meanwhile: the step reads them again
-        checkpoint = latest_checkpoint(task)
+        checkpoint = resume.checkpoint if resume is not None else latest_checkpoint(task)
         if checkpoint is not None and checkpoint.schema_version > driver.schema_version:
             # A newer worker wrote this checkpoint; leave the task for a worker that can read it.
             log.warning("task %s: checkpoint schema %s is newer than %s", task.pk, checkpoint.schema_version,

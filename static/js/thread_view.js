@@ -2,9 +2,12 @@
 //
 // What makes it fetch: the thread's WebSocket (any item is a wake-up: something in the
 // thread changed), a reconnect of that socket (whatever happened meanwhile), a send,
-// and two safety nets: every data-busy-poll-ms (2 s) while a run is active ("busy"),
+// and three safety nets: every data-busy-poll-ms (2 s) while a run is active ("busy"),
 // and for a while after a task reached a status the assistant posts about, until that
-// post is here. The panel reports those tasks (expectNotice).
+// post is here (the panel reports those tasks: expectNotice); otherwise every
+// data-idle-poll-ms (15 s) while the page is in view. The socket tells of the thread's
+// tasks, not of its messages: a message posted while nothing here waits for one (sent
+// from another tab, a task's notice delivered late) shows within that.
 //
 // A message telling of a task's question carries the answer form under it, while the task
 // still asks that question (the newest such message only); answered or withdrawn, in the
@@ -44,6 +47,7 @@ export class ThreadView {
     this.connection = connection;
     this.welcome = welcome;
     this.busyPollMs = Number(conversation.dataset.busyPollMs) || 2000;
+    this.idlePollMs = Number(conversation.dataset.idlePollMs) || 15000;
     this.callbacks = callbacks;
 
     this.seen = new Set();
@@ -68,6 +72,11 @@ export class ThreadView {
     this.atEnd = true;
     conversation.addEventListener("scroll", () => { this.atEnd = this.isNearBottom(); }, { passive: true });
     new ResizeObserver(() => { if (this.atEnd) this.scrollToEnd(); }).observe(conversation);
+    // Out of view, the idle look waits; back in view, the page looks at once.
+    document.addEventListener("visibilitychange", () => {
+      if (document.hidden) this.schedulePoll();
+      else this.refresh();
+    });
   }
 
   /** Load the messages; the stream opens once the page has its first picture (see chat.js). */
@@ -139,6 +148,7 @@ export class ThreadView {
     let ms = null;
     if (this.failures) ms = Math.min(MAX_RETRY_MS, this.busyPollMs * 2 ** (this.failures - 1));
     else if (this.busy || this.notices.size) ms = this.busyPollMs;
+    else if (!document.hidden) ms = this.idlePollMs;
     if (ms !== null) this.pollTimer = setTimeout(() => this.refresh(), ms);
   }
 

@@ -12,7 +12,7 @@ from chat.models import Message, Run, Thread
 from tasks import clock
 from tasks.models import Tenant
 from tests.conftest import make_user
-from tests.e2e.chat_page import make_thread, sign_in_with_cookie
+from tests.e2e.chat_page import assistant_messages, make_thread, send, sign_in_with_cookie
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -80,6 +80,26 @@ def test_it_renames_and_deletes_threads_after_confirmation(page: Page, server: s
     dialog.get_by_role("button", name="Delete thread").click()
     expect(page).to_have_url(f"{server}/")
     expect(page.get_by_text("No threads yet")).to_be_visible()
+
+
+def test_a_message_sent_from_another_tab_shows_in_this_one(page: Page, server: str, cheap_passwords):
+    """The thread's socket tells of its tasks, not of its messages: a page that waits for no reply still
+    shows one posted elsewhere (another tab here; a task's notice delivered late) by looking again now and then."""
+    alice = make_user("alice", Tenant.objects.create(slug="acme", name="Acme"))
+    thread = make_thread(alice, "Two tabs")
+    sign_in_with_cookie(page, server, alice)
+    page.goto(f"{server}/t/{thread.public_id}/")
+    expect(page.get_by_text("No messages yet.")).to_be_visible()
+    other = page.context.new_page()
+    other.goto(f"{server}/t/{thread.public_id}/")
+
+    send(other, "what is running?")
+    expect(assistant_messages(other)).to_have_count(1, timeout=20_000)
+
+    sent = page.locator("#messages .message.from-user .message-text")
+    expect(sent).to_have_text(["what is running?"], timeout=30_000)
+    expect(assistant_messages(page)).to_have_count(1, timeout=30_000)
+    other.close()
 
 
 def test_it_holds_the_composer_while_the_assistant_is_answering(page: Page, server: str, cheap_passwords):
