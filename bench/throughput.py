@@ -410,9 +410,10 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
         [
             ["a step run in place (the worker kept the lease): probe for waiting work, the fenced commit", kept],
             [("a step when the worker goes on to the task due longest (no broker): probe, fenced commit, claim from the "
-              f"task table, reads of the checkpoint and the calls still out; {TASKS_GOING_ON} tasks of {steps} steps"),
+              f"task table (which brings the checkpoint and whether calls are out); {TASKS_GOING_ON} tasks of {steps} "
+              "steps"),
              f"mean {switching_statements:.1f}"],
-            [("a step after a kick: claim, reads of the checkpoint and the calls still out, probe, fenced commit, "
+            [("a step after a kick: claim (with the checkpoint and whether calls are out), probe, fenced commit, "
               "next kick"), f"median {h.median(statements):.0f} (min {min(statements)}, max {max(statements)})"],
         ]))
     report.add("Wake-ups", h.table(
@@ -440,17 +441,17 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
             f"Why Longhaul's steps/s stay below DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step: the probe; "
             "the fenced commit (its UPDATE, the events and the checkpoint, with BEGIN and COMMIT); the one-statement "
-            "claim; the reads of the checkpoint and of the calls still out. Each UPDATE of the task row also writes "
-            "every one of its indexes, since the due time and the lease columns are indexed and no update is HOT. A "
-            "DBOS step writes one row. What would close it: the lease and due-time columns in a narrow table of their "
-            "own, the claim with the checkpoint read and the calls-out check in one statement, and several tasks' "
-            "steps committed together.")
+            "claim, which also brings the checkpoint and whether the step before asked for calls. Each UPDATE of the "
+            "task row also writes every one of its indexes, since the due time and the lease columns are indexed and "
+            "no update is HOT. A DBOS step writes one row. What would close it: the lease and due-time columns in a "
+            "narrow table of their own, and several tasks' steps committed together (one BEGIN, one COMMIT and one "
+            "flush of the write-ahead log for a batch of steps).")
     if peer is not None and e2e_p50 > queued_p50:
         report.notes.append(
             f"Why one task alone takes longer: its 5 steps take about {5 * p50_gap:.0f} ms ({p50_gap:.1f} ms each). "
             f"The rest of its {e2e_p50:.0f} ms is django-q2 taking its first kick from the broker (its pusher wakes "
             "when the kick commits, tasks/broker.py) and handing it to a worker process; DBOS's queue polls every "
-            "50 ms.")
+            "50 ms, so its figure moves by up to that from run to run with where the enqueue falls in its poll.")
     return report
 
 

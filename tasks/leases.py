@@ -113,11 +113,12 @@ def _resume_of(picked: Task) -> Resume:
     """What the claim read beside the row: the checkpoint (its sealed state opened as a read would)."""
     if picked.cp_id is None:
         return Resume(checkpoint=None, calls_asked=picked.calls_asked)
-    fields = ("id", "task_id", "step", "fencing_token", "state", "schema_version", "at")
-    state = Checkpoint._meta.get_field("state").from_db_value(picked.cp_state, None, connection)
-    checkpoint = Checkpoint.from_db(connection.alias, fields, (
-        picked.cp_id, picked.pk, picked.cp_step, picked.cp_fencing_token, state, picked.cp_schema_version,
-        picked.cp_at))
+    row = {"id": picked.cp_id, "task_id": picked.pk, "step": picked.cp_step, "fencing_token": picked.cp_fencing_token,
+           "state": Checkpoint._meta.get_field("state").from_db_value(picked.cp_state, None, connection),
+           "schema_version": picked.cp_schema_version, "at": picked.cp_at}
+    # In the model's column order, as from_db takes them (a column added to Checkpoint fails here, loudly).
+    names = [field.attname for field in Checkpoint._meta.concrete_fields]
+    checkpoint = Checkpoint.from_db(connection.alias, names, [row[name] for name in names])
     return Resume(checkpoint=checkpoint, calls_asked=picked.calls_asked)
 
 
