@@ -121,44 +121,6 @@ def test_a_stop_asked_for_during_the_step_is_honoured_by_the_locked_commit(acme,
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
 
 
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
-def test_a_step_after_a_kick_reads_its_checkpoint_and_calls_with_its_claim(acme, alice, settings):
-    settings.LONGHAUL_STEP_SLICE_MS = 0  # one step a job: each step after the first is claimed after a kick
-    task = submit_sleep(acme, alice, steps=3)
-    jobs.advance(task.pk)
-    with CaptureQueriesContext(connection) as queries:
-        jobs.advance(task.pk)
-
-    statements = [query["sql"] for query in queries.captured_queries]
-    before_commit = statements[:statements.index("BEGIN")]
-    assert not [sql for sql in before_commit if 'FROM "tasks_checkpoint"' in sql or 'FROM "tasks_operation"' in sql], (
-        f"the claim brought the checkpoint and said the step before asked for no call: {before_commit}")
-    jobs.advance(task.pk)
-    task.refresh_from_db()
-    assert task.status == TaskStatus.SUCCEEDED
-    # Each step went on from the one before: the state the claims brought was the last checkpoint's.
-    assert [c.state["done"] for c in Checkpoint.objects.filter(task=task).order_by("step")] == [1, 2, 3]
-
-
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
-def test_the_claim_brings_the_latest_checkpoint_as_a_read_of_it_would(acme, alice, settings):
-    settings.LONGHAUL_STEP_SLICE_MS = 0
-    task = submit_sleep(acme, alice, steps=4)
-    jobs.advance(task.pk)
-    jobs.advance(task.pk)
-    Task.objects.filter(pk=task.pk).update(lease_owner="", next_run_at=clock.now())
-
-    claimed = leases.claim(task.pk, owner="worker-b", now=clock.now())
-
-    assert claimed is not None and claimed.resume is not None
-    latest = Checkpoint.objects.filter(task=task).order_by("-step").first()
-    brought = claimed.resume.checkpoint
-    assert (brought.pk, brought.step, brought.fencing_token, brought.schema_version, brought.at) == (
-        latest.pk, latest.step, latest.fencing_token, latest.schema_version, latest.at)
-    assert brought.state == latest.state == {"done": 2, "of": 4}
-    assert claimed.resume.calls_asked is False
-
-
 @pytest.mark.parametrize("outcome", [MOVES_ON, ASKS_FOR_CALLS], ids=["moves on", "asks for calls"])
 def test_a_fenced_out_worker_writes_nothing_without_reading_the_row_first(acme, alice, outcome):
     task = submit_sleep(acme, alice, steps=3)
