@@ -471,7 +471,8 @@ def log_dir(name: str) -> Path:
 
 
 @contextmanager
-def qcluster(name: str, *, workers: int, **env: str) -> Iterator[processes.Process]:
+def qcluster(name: str, *, workers: int, command: Sequence[str] = ("worker",), chat: bool = True,
+             **env: str) -> Iterator[processes.Process]:
     """A real `manage.py worker` against this database (tests/processes.py), stopped with SIGTERM on exit.
 
     Afterwards the broker rows it left that name no task (a sweep it had taken when it stopped,
@@ -480,7 +481,7 @@ def qcluster(name: str, *, workers: int, **env: str) -> Iterator[processes.Proce
     """
     started = datetime.now(timezone.utc)
     try:
-        with processes.qcluster(log_dir(name), workers=workers, **env) as cluster:
+        with processes.qcluster(log_dir(name), workers=workers, command=command, chat=chat, **env) as cluster:
             yield cluster
     finally:
         reconnecting(lambda: purge_kicks(set(), set(), funcs=GENERIC_JOBS, task_arg_zero=True))

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import _harness as h
 
-BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "active_tasks", "stream_latency",
-              "fairness", "research_quality")
+BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "active_tasks", "idle",
+              "stream_latency", "fairness", "research_quality")
 STREAM_TIMEOUT = 600
 
 
@@ -69,6 +69,12 @@ def _active_tasks() -> h.Report:
     return active_tasks.run()
 
 
+def _idle() -> h.Report:
+    import idle
+
+    return idle.run()
+
+
 def _stream_latency() -> h.Report:
     """The stream benchmark is another script's: run it as it runs alone and keep what it printed."""
     script = h.ROOT / "bench" / "stream_latency.py"
@@ -106,8 +112,8 @@ def _research_quality() -> h.Report:
 
 RUNNERS: dict[str, Callable[[], h.Report]] = {
     "throughput": _throughput, "claim_scale": _claim_scale, "api": _api, "notify_latency": _notify_latency,
-    "inflight": _inflight, "active_tasks": _active_tasks, "stream_latency": _stream_latency, "fairness": _fairness,
-    "research_quality": _research_quality,
+    "inflight": _inflight, "active_tasks": _active_tasks, "idle": _idle, "stream_latency": _stream_latency,
+    "fairness": _fairness, "research_quality": _research_quality,
 }
 
 

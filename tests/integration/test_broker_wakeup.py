@@ -1,5 +1,7 @@
 """A cluster's pusher waiting on an empty queue takes a kick when it is committed, not at the end of its
-poll interval: migration 0025's trigger notifies the kick's key, and the broker waits for its own keys."""
+poll interval: migration 0025's trigger notifies the kick's key, and the broker waits for its own keys.
+A row nothing announces (a kick put off to later, a message whose worker's timeout ran out) ends the wait
+when it comes due."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ def pusher(monkeypatch):
     """The main cluster's broker, listening already (its first empty wait opens the connection)."""
     main = broker.Broker(list_key=settings.Q_CLUSTER["name"])
     monkeypatch.setattr(Conf, "POLL", 0.01)
+    monkeypatch.setattr(broker, "LISTEN_WAIT_SECONDS", 0.01)
     main._wait_for_a_kick()
     assert main._listening is not None, "the broker listens for kicks on PostgreSQL"
     monkeypatch.setattr(Conf, "POLL", LONG_POLL)
@@ -59,3 +62,20 @@ def test_a_kick_that_is_not_the_pushers_to_take_now_does_not_wake_it(pusher, oth
     kicks.kick("advance", 2)  # its own kick ends the wait
     wait.join(timeout=10)
     assert not wait.is_alive()
+
+
+@pytest.mark.parametrize("later", ["a kick put off to later", "a message whose worker's timeout runs out"])
+def test_a_row_that_comes_due_unannounced_ends_the_wait_when_it_is_due(pusher, later):
+    due = clock.now() + timedelta(seconds=2)  # beyond the trigger's second of slack: no notification
+    if later == "a kick put off to later":
+        kicked = kicks.kick("advance", 1, at=due)
+    else:  # taken by a worker that died: its lock, moved on by the take, runs out with no commit to say so
+        kicked = kicks.kick("advance", 1)
+        assert [pk for pk, _ in pusher.dequeue()] == [kicked]
+        OrmQ.objects.filter(pk=kicked).update(lock=due)  # sooner than the broker's retry, for the test's sake
+        list(pusher._listening.notifies(timeout=0.2))  # the kick's notification, heard before the take
+    wait = waiting(pusher)
+
+    wait.join(timeout=10)  # the poll interval is a minute
+    assert not wait.is_alive(), "the pusher woke when the row came due"
+    assert [pk for pk, _ in pusher.dequeue()] == [kicked]
