@@ -40,6 +40,7 @@ from urllib.parse import quote
 
 import _harness as h
 import httpx
+from django.conf import settings
 from django.db import transaction
 
 from tasks import actions, jobs
@@ -215,6 +216,24 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     }
 
 
+def most_at_once(ids: list[int]) -> tuple[int, int]:
+    """From the rows: the most calls requested and not yet claimed at one moment, and the most claimed
+    and not yet recorded (out with a gateway job) at one moment."""
+    moves: list[tuple[float, int, int]] = []  # (when, change in waiting, change in out)
+    for created, started, done in Operation.objects.filter(task_id__in=ids, args__isnull=False).values_list(
+            "created_at", "started_at", "finished_at"):
+        moves.append((created.timestamp(), 1, 0))
+        if started is not None:
+            moves.append((started.timestamp(), -1, 1))
+        if done is not None:
+            moves.append((done.timestamp(), 0, -1))
+    waiting = out = most_waiting = most_out = 0
+    for _, into_waiting, into_out in sorted(moves):
+        waiting, out = waiting + into_waiting, out + into_out
+        most_waiting, most_out = max(most_waiting, waiting), max(most_out, out)
+    return most_waiting, most_out
+
+
 def per_pid_max(samples: Iterable[tuple[float, int, dict[int, int]]]) -> list[int]:
     """The most calls each process had in flight over these samples, largest first."""
     most: Counter[int] = Counter()
@@ -295,6 +314,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                         .values_list("finished_at", flat=True)]
             ops = Counter(Operation.objects.filter(task_id__in=ids, args__isnull=False).values_list("kind", flat=True))
             waits = pipeline_waits(ids)
+            most_waiting, most_out = most_at_once(ids)
             since = datetime.fromtimestamp(started, tz=timezone.utc)
             steps = Checkpoint.objects.filter(task_id__in=ids, at__gte=since).count()
     finally:
@@ -329,6 +349,9 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         ["model calls made (fake's count)", f"{calls} ({calls / elapsed:.1f}/s)"],
         ["operations requested (model / tool)", f"{ops.get('model', 0)} / {ops.get('tool', 0)}"],
         ["mean model calls in flight while any was", f"{mean_busy:.0f}"],
+        ["most calls out with gateway jobs at once (a job's cap: LONGHAUL_GATEWAY_INFLIGHT)",
+         f"{most_out} (cap {settings.LONGHAUL_GATEWAY_INFLIGHT})"],
+        ["most calls requested and not yet claimed at once", most_waiting],
         ["samples with 2+ processes calling at once", sum(1 for s in busy if len(s[2]) >= 2)],
     ]))
     report.add("Where a task's time goes (milliseconds)", h.table(["interval", "p50", "p90", "p99", "samples"], [
@@ -353,12 +376,17 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         next_step < NEXT_STEP_TARGET_MS))
     steps_per_s = steps / elapsed if elapsed else 0.0
     if max(claim_waits.values()) >= CLAIM_WAIT_TARGET_MS:
+        at_cap = most_out >= settings.LONGHAUL_GATEWAY_INFLIGHT
         report.notes.append(
             "Why calls wait to be claimed: a running gateway job claims when it hears a step's commit (LISTEN), on a "
-            "database connection of its own; what is left is CPU. Both cores are busy with the steps, PostgreSQL "
-            "and the gateway's HTTP work (httpx's pools cost about as much CPU as the calls), so a claim waits its "
-            "turn on the CPU." + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus"
-                                  else ""))
+            "database connection of its own. "
+            + (f"But one job keeps at most {settings.LONGHAUL_GATEWAY_INFLIGHT} calls out (LONGHAUL_GATEWAY_INFLIGHT), "
+               f"and a wave asks for more at once ({most_waiting} waited to be claimed at the busiest moment): a "
+               "search or a visit asked for while the job is full waits for a call to end. Raising the cap trades "
+               "that wait for more sockets and CPU in the one process. " if at_cap else "")
+            + "What is left is CPU: both cores are busy with the steps, PostgreSQL and the gateway's HTTP work "
+            "(httpx's pools cost about as much CPU as the calls), so a claim waits its turn on the CPU."
+            + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
             f"Why a task waits for its next step: the gateway job holds one of the {workers} worker processes for "
@@ -366,7 +394,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             f"{tasks} plan answers within a second or two of each other, then their searches, and so on), and a "
             f"wave's next steps queue: {tasks} of them take {tasks / steps_per_s if steps_per_s else 0:.1f} s to "
             "drain, so the median task of a wave waits about half that. The wait is the steps' queue, not the "
-            "hand-off (a kick reaches an idle worker within a broker poll). What would close it on two cores: "
+            "hand-off (a kick reaches an idle worker at once: its pusher listens for it). What would close it on two cores: "
             "research steps that cost less CPU, and steps run beside the gateway job's event loop instead of "
             "behind it.")
     return report
