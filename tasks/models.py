@@ -232,6 +232,11 @@ class Task(SealedModel):
                          condition=Q(lease_owner="", next_run_at__isnull=True)
                          & (Q(status=TaskStatus.WAITING_TOOL)
                             | Q(status=TaskStatus.RUNNING, waiting_reason__in=["model", "tool"]))),
+            # liveness.never_due: claimable rows with no due time that wait for no call (a violation, so this
+            # index is all but empty); without it the rule reads every task waiting on its calls, each sweep.
+            models.Index(fields=["id"], name="task_never_due_idx",
+                         condition=Q(status__in=sorted(CLAIMABLE), next_run_at__isnull=True)
+                         & ~Q(status=TaskStatus.RUNNING, waiting_reason__in=["model", "tool"])),
             # scheduling.head_of_queue: tasks queued only to cancel their remote work go first.
             models.Index(fields=["tenant", "updated_at", "id"], name="task_cancel_queued_idx",
                          condition=Q(status=TaskStatus.QUEUED, waiting_reason="cancel")),
