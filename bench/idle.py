@@ -24,7 +24,7 @@ import _harness as h
 from django.conf import settings
 from django.db import connection
 
-WARM_UP_SECONDS = 10.0  # the clusters start their processes and run their first schedule pass
+WARM_UP_SECONDS = 10.0  # the clusters start their processes (their schedule, a sweep a minute, may fall in either window)
 LIMITS = {"seconds": 300.0, "workers": 8}
 TICKS = os.sysconf("SC_CLK_TCK")
 

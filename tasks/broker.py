@@ -26,10 +26,10 @@ import logging
 from time import monotonic, sleep
 from typing import Any
 
-from django.db.models import Min
 from django.utils import timezone
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
+from django_q.models import OrmQ
 
 log = logging.getLogger(__name__)
 CHANNEL = "longhaul_kicks"
@@ -110,9 +110,15 @@ class Broker(ORM):
             sleep(Conf.POLL)
 
     def _until_next_due(self) -> float:
-        """Seconds until the first row of this pusher's keys comes due, within [0, the longest wait]."""
+        """Seconds until the first row of this pusher's keys comes due, within [0, the longest wait].
+
+        Asked on the listening connection: one a firewall dropped while it only listened fails here (and is
+        opened again) rather than leaving every kick to wait out the longest wait in silence."""
         longest = max(Conf.POLL, LISTEN_WAIT_SECONDS)
-        first = self.get_connection().filter(key__in=self.keys).aggregate(first=Min("lock"))["first"]
+        # Each key's first lock off the (key, lock) index, a row each: a MIN over `key IN (...)` would read them all.
+        first = self._listening.execute(
+            f"SELECT min((SELECT lock FROM {OrmQ._meta.db_table} WHERE key = k ORDER BY lock LIMIT 1)) "
+            "FROM unnest(%s::text[]) AS k", [list(self.keys)]).fetchone()[0]
         if first is None:
             return longest
         return min(longest, max(0.0, (first - timezone.now()).total_seconds() + DUE_MARGIN_SECONDS))
