@@ -37,9 +37,11 @@ run: venv
 	@echo ""
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/honcho start -f Procfile -p $(PORT)
 
-# The suite on PostgreSQL, a smoke subset on SQLite, then Playwright in its own
-# pytest invocation (its event loop clashes with asyncio tests in one process).
-# The suite runs the product in development mode, as `make run` does (tests/settings.py says why).
+# The suite on PostgreSQL in TEST_PROCESSES processes (pytest-xdist; each has a test database of its own),
+# then the fault drill alone (it restarts PostgreSQL under everyone's connections), a smoke subset on
+# SQLite, then Playwright in its own pytest invocation (its event loop clashes with asyncio tests in one
+# process). The suite runs the product in development mode, as `make run` does (tests/settings.py says why).
+TEST_PROCESSES ?= 2
 test test-unit: export DEBUG ?= 1
 test: venv
 	bin/ensure-postgres
@@ -48,7 +50,9 @@ test: venv
 	bin/ensure-gettext
 	bin/ensure-pydocs
 	$(COMPILEMESSAGES)
-	LONGHAUL_DRILL_PG_RESTART=1 DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'not e2e' tests
+	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -n $(TEST_PROCESSES) --dist worksteal \
+		-m 'not e2e and not alone' tests
+	LONGHAUL_DRILL_PG_RESTART=1 DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'alone' tests
 	DATABASE_URL='sqlite:///$(CURDIR)/var/smoke.sqlite3' $(PYTEST) -p no:playwright -m 'smoke and not e2e' tests
 	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -m e2e tests/e2e
 

@@ -86,6 +86,7 @@ from typing import Any
 
 import _harness as h
 import psycopg
+from _processes import descendants, processes, pss_kb, status_kb
 from django.conf import settings
 from django.db import connection, transaction
 
@@ -112,67 +113,10 @@ PG_PORT = 5432
 # --- the processes: memory and connections -------------------------------------------------
 
 
-def process_table() -> dict[int, int]:
-    """pid -> ppid of every process, from /proc/<pid>/stat."""
-    table: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry.name}/stat").read_text()
-        except OSError:
-            continue
-        table[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-    return table
-
-
-def descendants(root: int, table: dict[int, int]) -> list[int]:
-    children: dict[int, list[int]] = defaultdict(list)
-    for pid, ppid in table.items():
-        children[ppid].append(pid)
-    found, frontier = [], [root]
-    while frontier:
-        kids = children.get(frontier.pop(), [])
-        found += kids
-        frontier += kids
-    return found
-
-
-def status_kb(pid: int, field: str) -> int | None:
-    """A kB figure (VmRSS, VmHWM) of /proc/<pid>/status; None when the process is gone."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def pss_kb(pid: int) -> int:
-    """Proportional set size (pages shared by forked processes counted once overall), from smaps_rollup."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        return 0
-    return 0
-
-
 def chat_cluster_pid() -> int | None:
     """The chat worker (`manage.py worker --queue chat`) h.qcluster started beside the task cluster."""
     me = os.getpid()
-    for pid, ppid in process_table().items():
-        if ppid != me:
-            continue
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"worker" in argv and b"--queue" in argv:
-            return pid
-    return None
+    return next((proc.pid for proc in processes() if proc.ppid == me and proc.is_chat_service), None)
 
 
 class Sampler(threading.Thread):
@@ -212,14 +156,14 @@ class Sampler(threading.Thread):
             self.roles.update({int(p): "worker" for p in match[2].replace(" ", "").split(",") if p})
             self.roles[int(match[3])], self.roles[int(match[4])] = "pusher", "monitor"
 
-    def role(self, pid: int, table: dict[int, int]) -> str:
+    def role(self, pid: int, parents: dict[int, int]) -> str:
         if pid not in self.roles:
-            parent = table.get(pid, 0)
+            parent = parents.get(pid, 0)
             if pid == self.cluster.pid:
                 self.roles[pid] = "main"
             elif parent == self.cluster.pid:
                 self.roles[pid] = "guard"
-            elif table.get(parent) == self.cluster.pid:
+            elif parents.get(parent) == self.cluster.pid:
                 # A child of the guard it did not name: a worker it started since (django-q2 recycles a worker
                 # after `recycle` jobs, 500 by default, and replaces one that died).
                 self.roles[pid] = "worker"
@@ -248,17 +192,18 @@ class Sampler(threading.Thread):
 
     def sample(self, db: psycopg.Connection) -> None:
         phase = self.phase
-        table = process_table()
+        procs = processes()
+        parents = {proc.pid: proc.ppid for proc in procs}
         self._refresh_roles()
-        tree = [self.cluster.pid, *descendants(self.cluster.pid, table)]
-        chat = [self.chat_pid, *descendants(self.chat_pid, table)] if self.chat_pid else []
+        tree = [self.cluster.pid, *descendants(self.cluster.pid, procs)]
+        chat = [self.chat_pid, *descendants(self.chat_pid, procs)] if self.chat_pid else []
         total = 0
         for pid in tree:
             kb = status_kb(pid, "VmRSS")
             if kb is None:
                 continue
             total += pss_kb(pid)
-            self.role(pid, table)
+            self.role(pid, parents)
             self.rss[phase][pid] = max(self.rss[phase].get(pid, 0), kb)
             self.hwm[pid] = max(self.hwm.get(pid, 0), status_kb(pid, "VmHWM") or 0)
         self.tree_kb[phase] = max(self.tree_kb[phase], total)

@@ -17,10 +17,11 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import _harness as h
+from _processes import processes
 from django.conf import settings
 from django.db import connection
 
@@ -41,24 +42,13 @@ def cpu_seconds(pids: list[int]) -> dict[int, float]:
     return used
 
 
-def processes() -> Iterator[tuple[int, str, list[bytes]]]:
-    """(pid, command name, argv) of every process on the machine."""
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                yield (int(entry.name), Path(f"/proc/{entry.name}/comm").read_text().strip(),
-                       Path(f"/proc/{entry.name}/cmdline").read_bytes().split(b"\0"))
-            except OSError:  # it ended meanwhile
-                continue
-
-
 def postgres_pids() -> list[int]:
-    return [pid for pid, name, _ in processes() if name == "postgres"]
+    return [proc.pid for proc in processes() if proc.name == "postgres"]
 
 
 def chat_service() -> list[int]:
     """Pids of the chat queue's `manage.py worker --queue chat` and its processes."""
-    return [pid for pid, _, argv in processes() if b"manage.py" in argv and b"--queue" in argv and b"chat" in argv]
+    return [proc.pid for proc in processes() if proc.is_chat_service]
 
 
 def commits() -> int:

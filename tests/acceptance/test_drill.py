@@ -13,7 +13,8 @@ import redis
 from tasks.models import Tenant
 from tests.drill.harness import REDIS_URL, Drill, DrillConfig, create_drill_user
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
+# alone: it restarts PostgreSQL, which would cut every other test process's connections.
+pytestmark = [pytest.mark.acceptance, pytest.mark.alone, pytest.mark.django_db(transaction=True)]
 
 
 @pytest.fixture
