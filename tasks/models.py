@@ -346,6 +346,10 @@ class Operation(SealedModel):
                          condition=Q(status="started", mode="gateway")),
             # operations.due_exists (the sweeper) and claims: pending gateway calls by the time they are due.
             models.Index(fields=["not_before"], name="operation_due_idx", condition=Q(status="pending", mode="gateway")),
+            # The same, due at once (no not_before): an index of its own, as the planner guesses half of all pending
+            # calls have none (most finished calls have none) and would otherwise read every unfinished call.
+            models.Index(fields=["id"], name="operation_due_now_idx",
+                         condition=Q(status="pending", mode="gateway", not_before__isnull=True)),
             # liveness.orphaned_operations: the calls not yet finished, a slice of them by id each pass.
             models.Index(fields=["id"], name="operation_unfinished_idx", condition=Q(status__in=["pending", "started"])),
         ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from django.db import connection, transaction
 
 from tasks import clock, liveness, sweeper
 from tasks.models import Alert, Operation, Task
@@ -143,3 +144,23 @@ def test_a_slice_with_more_to_repair_than_a_pass_takes_goes_on_from_the_last_one
     stranded = waiting_for_finished_calls(acme, alice, 5)
     passes = [sorted(t.pk for t in liveness.waits_for_nothing(limit=2)) for _ in range(3)]
     assert passes == [stranded[0:2], stranded[2:4], stranded[4:5]]
+
+
+def test_a_rule_joins_its_slice_row_by_row_and_leaves_the_planner_as_it_found_it(acme, alice, settings):
+    # The rule turns PostgreSQL's hash and merge joins off for its slice's query only: a caller's transaction
+    # that goes on plans its own statements as before.
+    if connection.vendor != "postgresql":
+        pytest.skip("planner settings are PostgreSQL's")
+    settings.LONGHAUL_LIVENESS_SLICE = 2
+    stranded = waiting_for_finished_calls(acme, alice, 3)
+
+    def planner() -> tuple[str, str]:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('enable_hashjoin'), current_setting('enable_mergejoin')")
+            return cursor.fetchone()
+
+    with transaction.atomic():
+        assert sorted(t.pk for t in liveness.waits_for_nothing(limit=100)) == stranded[0:2]
+        assert planner() == ("on", "on")
+        assert [op.pk for op in liveness.orphaned_operations(clock.now(), 100)] == []
+        assert planner() == ("on", "on")

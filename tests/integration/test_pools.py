@@ -364,3 +364,24 @@ def test_the_admin_shows_each_pool_with_its_limits_load_and_pause(acme, alice, s
     operator = Client()
     operator.force_login(staff)
     assert operator.get("/admin/tasks/pool/").status_code == 403, "a pool's load is every tenant's: superusers only"
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("comes_due", ["pending, no wait", "pending, its wait is over", "started, its job died"])
+def test_the_sweeper_sees_a_call_due_each_way_a_call_comes_due(acme, alice, comes_due):
+    # operations.due_exists reads each way apart, off its own index: none may be left out.
+    now = clock.now()
+    task = waiting_for_tools(acme, alice)
+    call(task, 0, not_before=now + timedelta(minutes=5))  # never due in this test
+    call(task, 1, status=Op.STARTED, attempts=1, lease_owner="gw:0", started_at=now,
+         lease_expires_at=now + timedelta(minutes=1))  # out, its job alive
+    assert not operations.due_exists(now)
+
+    if comes_due == "pending, no wait":
+        call(task, 2)
+    elif comes_due == "pending, its wait is over":
+        call(task, 2, not_before=now - timedelta(seconds=1))
+    else:
+        call(task, 2, status=Op.STARTED, attempts=1, lease_owner="gw:0", started_at=now - timedelta(minutes=2),
+             lease_expires_at=now - timedelta(seconds=1))
+    assert operations.due_exists(now)
