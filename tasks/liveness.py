@@ -85,12 +85,15 @@ def _row_by_row() -> Iterator[None]:
     if connection.vendor != "postgresql":
         yield
         return
-    # Local to the transaction (true): put back at once in case the caller's transaction goes on. On an error
-    # the block's rollback puts them back.
+    # Local to the transaction (true), and put back as they were at once, in case the caller's transaction goes
+    # on. On an error the block's rollback puts them back.
     with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT current_setting('enable_hashjoin'), current_setting('enable_mergejoin')")
+        before = cursor.fetchone()
         cursor.execute("SELECT set_config('enable_hashjoin', 'off', true), set_config('enable_mergejoin', 'off', true)")
         yield
-        cursor.execute("SELECT set_config('enable_hashjoin', 'on', true), set_config('enable_mergejoin', 'on', true)")
+        cursor.execute("SELECT set_config('enable_hashjoin', %s, true), set_config('enable_mergejoin', %s, true)",
+                       before)
 
 
 def _unfinished_ops_of_last_step() -> Exists:

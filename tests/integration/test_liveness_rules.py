@@ -146,11 +146,10 @@ def test_a_slice_with_more_to_repair_than_a_pass_takes_goes_on_from_the_last_one
     assert passes == [stranded[0:2], stranded[2:4], stranded[4:5]]
 
 
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="planner settings are PostgreSQL's")
 def test_a_rule_joins_its_slice_row_by_row_and_leaves_the_planner_as_it_found_it(acme, alice, settings):
     # The rule turns PostgreSQL's hash and merge joins off for its slice's query only: a caller's transaction
-    # that goes on plans its own statements as before.
-    if connection.vendor != "postgresql":
-        pytest.skip("planner settings are PostgreSQL's")
+    # that goes on plans its own statements as before, with what it had set itself.
     settings.LONGHAUL_LIVENESS_SLICE = 2
     stranded = waiting_for_finished_calls(acme, alice, 3)
 
@@ -159,8 +158,20 @@ def test_a_rule_joins_its_slice_row_by_row_and_leaves_the_planner_as_it_found_it
             cursor.execute("SELECT current_setting('enable_hashjoin'), current_setting('enable_mergejoin')")
             return cursor.fetchone()
 
+    during: list[tuple[str, str]] = []
+
+    def seen_by_the_slice_query(execute, sql, params, many, context):
+        result = execute(sql, params, many, context)
+        if "EXISTS" in sql and not during:  # the rule's own query (the slice's tasks without unfinished calls)
+            during.append(planner())
+        return result
+
     with transaction.atomic():
-        assert sorted(t.pk for t in liveness.waits_for_nothing(limit=100)) == stranded[0:2]
-        assert planner() == ("on", "on")
+        with connection.cursor() as cursor:
+            cursor.execute("SET LOCAL enable_mergejoin = off")  # the caller's own choice, kept
+        with connection.execute_wrapper(seen_by_the_slice_query):
+            assert sorted(t.pk for t in liveness.waits_for_nothing(limit=100)) == stranded[0:2]
+        assert during == [("off", "off")]
+        assert planner() == ("on", "off")
         assert [op.pk for op in liveness.orphaned_operations(clock.now(), 100)] == []
-        assert planner() == ("on", "on")
+        assert planner() == ("on", "off")

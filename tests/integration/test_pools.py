@@ -368,8 +368,10 @@ def test_the_admin_shows_each_pool_with_its_limits_load_and_pause(acme, alice, s
 
 @pytest.mark.django_db
 @pytest.mark.parametrize("comes_due", ["pending, no wait", "pending, its wait is over", "started, its job died"])
-def test_the_sweeper_sees_a_call_due_each_way_a_call_comes_due(acme, alice, comes_due):
+def test_the_sweeper_sees_a_call_due_each_way_a_call_comes_due(acme, alice, settings, comes_due):
     # operations.due_exists reads each way apart, off its own index: none may be left out.
+    settings.LONGHAUL_TASK_CALLS_IN_FLIGHT = 8  # room beside the call already out, whatever the defaults
+    settings.LONGHAUL_TOOL_CONCURRENCY = 8
     now = clock.now()
     task = waiting_for_tools(acme, alice)
     call(task, 0, not_before=now + timedelta(minutes=5))  # never due in this test
