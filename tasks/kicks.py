@@ -26,8 +26,9 @@ from django_q.humanhash import uuid as q_uuid
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
-from tasks import leases
+from tasks import leases, prepared
 from tasks.broker import gateway_key, steps_key
+from tasks.models import Task
 
 # Job name -> the function a worker runs, by dotted path. Apps built on tasks add theirs
 # with register_job at start (chat: "run").
@@ -117,8 +118,15 @@ def waiting(*, now: datetime, besides: int) -> Waiting:
     jobs_sql = (f"SELECT 1 FROM {OrmQ._meta.db_table} WHERE lock <= %s "
                 f"AND (key = %s OR (key = %s AND {turn_free})) LIMIT 1")
     jobs_params = (now, _queue_key(), gateway_key(_queue_key()), *turn_params)
-    steps_sql, steps_params = leases.due(now).exclude(pk=besides).values("pk")[:1].query.sql_with_params()
-    with connection.cursor() as cursor:
+    if connection.vendor == "postgresql":
+        # Sent at every step a worker runs: prepared, and leases.due() written out as SQL for that.
+        steps_sql = f"SELECT 1 FROM {Task._meta.db_table} WHERE {leases.DUE_WHERE} AND id <> %s LIMIT 1"
+        steps_params: tuple = (now, now, besides)
+        cursor = prepared.cursor()
+    else:
+        steps_sql, steps_params = leases.due(now).exclude(pk=besides).values("pk")[:1].query.sql_with_params()
+        cursor = connection.cursor()
+    with cursor:
         cursor.execute(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params))
         found_jobs, found_steps = cursor.fetchone()
     return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from functools import lru_cache
+from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import Field, Q, QuerySet
+from django.db.models.sql import Query
 
-from tasks import transitions
+from tasks import prepared, transitions
 from tasks.errors import LeaseLost
 from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import CLAIMABLE, TaskStatus
@@ -32,6 +36,13 @@ def due(now: datetime) -> QuerySet[Task]:
     by the due-task index: what a kick, a worker going on to the next task and the sweeper look for."""
     return Task.objects.filter(status__in=CLAIMABLE, next_run_at__lte=now).filter(
         Q(lease_owner="") | Q(lease_expires_at__lt=now))
+
+
+# due() as SQL, for the prepared statements (the claim below, kicks.waiting); its two parameters are now and
+# now. The statuses are literals, so the plan PostgreSQL keeps for every call (one plan, whatever the
+# parameters) can prove task_due_idx's predicate.
+DUE_WHERE = ("status IN ({}) AND next_run_at <= %s AND (lease_owner = '' OR lease_expires_at < %s)"
+             .format(", ".join(f"'{status}'" for status in sorted(CLAIMABLE))))
 
 
 def claim(task_id: int, *, owner: str, now: datetime) -> Task | None:
@@ -60,20 +71,19 @@ class Resume:
 
 
 def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> Task | None:
-    """PostgreSQL: the task due longest (or task `task_id`, if due), claimed in one statement when it is
-    between two steps, with its Resume; the full claim otherwise."""
-    running = TaskStatus.RUNNING.value
-    params = [running, *sorted(str(status) for status in CLAIMABLE), now, now,
-              *([] if task_id is None else [task_id]),
-              running, now, owner, now + timedelta(seconds=lease_seconds()), now]
-    sql = _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
-                             operation=Operation._meta.db_table, claimable=", ".join(["%s"] * len(CLAIMABLE)),
-                             only="" if task_id is None else "AND id = %s")
-    picked = next(iter(Task.objects.raw(sql, params)), None)
-    if picked is None:
+    """PostgreSQL: the task due longest (or task `task_id`, if due), claimed in one prepared statement
+    when it is between two steps, with its Resume; the full claim otherwise."""
+    params = [now, now, *([] if task_id is None else [task_id]),
+              now, owner, now + timedelta(seconds=lease_seconds()), now]
+    with prepared.cursor() as cursor:
+        cursor.execute(_claim_next_sql(one=task_id is not None), params)
+        row = cursor.fetchone()
+    if row is None:
         return None
-    if picked.claimed:
-        picked.resume = _resume_of(picked)
+    picked = _task_of(row)
+    claimed, *checkpoint, calls_asked = row[len(_TASK_FIELDS):]
+    if claimed:
+        picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked)
         return picked
     # A retry, a takeover or a first claim: transitions.claim writes its event or admission record.
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now)
@@ -81,45 +91,79 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
 
 # leases.due() in one statement, oldest first (or only the task asked for): the task due longest is locked;
 # when it is between two steps (no takeover, no retry, not its first claim) it is claimed as transitions.claim
-# would (no event, no admission record then) and returned with `claimed`, beside what its step reads first
-# (its latest checkpoint, and whether the step before asked for calls); otherwise it is returned as it is,
-# for the full claim.
+# would (no event, no admission record then) and returned claimed, beside what its step reads first (its
+# latest checkpoint, and whether the step before asked for calls); otherwise it is returned as it is, for the
+# full claim. The task's columns are named, in the model's order (tasks/prepared.py says why not `*`).
 _CLAIM_NEXT = """
 WITH picked AS (
-    SELECT id, (status = %s AND lease_owner = '' AND (current_step > 0 OR attempts > 0)) AS plain
+    SELECT id, (status = {running} AND lease_owner = '' AND (current_step > 0 OR attempts > 0)) AS plain
     FROM {task}
-    WHERE status IN ({claimable}) AND next_run_at <= %s AND (lease_owner = '' OR lease_expires_at < %s) {only}
+    WHERE {due} {only}
     ORDER BY next_run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
 ), taken AS (
-    UPDATE {task} t SET status = %s, version = t.version + 1, updated_at = %s, lease_owner = %s,
+    UPDATE {task} t SET status = {running}, version = t.version + 1, updated_at = %s, lease_owner = %s,
         lease_expires_at = %s, heartbeat_at = %s, fencing_token = t.fencing_token + 1,
         attempts = t.attempts + 1, waiting_reason = ''
     FROM picked WHERE t.id = picked.id AND picked.plain
-    RETURNING t.*
+    RETURNING {columns_of_t}
 )
-SELECT taken.*, true AS claimed, cp.id AS cp_id, cp.step AS cp_step, cp.fencing_token AS cp_fencing_token,
-    cp.state AS cp_state, cp.schema_version AS cp_schema_version, cp.at AS cp_at,
+SELECT {columns_of_taken}, true, cp.id, cp.step, cp.fencing_token, cp.state, cp.schema_version, cp.at,
     EXISTS (SELECT 1 FROM {operation} o WHERE o.task_id = taken.id AND o.step = taken.current_step - 1)
-        AS calls_asked
 FROM taken LEFT JOIN LATERAL (
-    SELECT * FROM {checkpoint} c WHERE c.task_id = taken.id ORDER BY c.step DESC LIMIT 1) cp ON true
+    SELECT id, step, fencing_token, state, schema_version, at FROM {checkpoint} c
+    WHERE c.task_id = taken.id ORDER BY c.step DESC LIMIT 1) cp ON true
 UNION ALL
-SELECT t.*, false AS claimed, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT {columns_of_t}, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM {task} t JOIN picked ON picked.id = t.id WHERE NOT picked.plain
 """
+_TASK_FIELDS = Task._meta.concrete_fields
+_CHECKPOINT_FIELDS = ("id", "step", "fencing_token", "state", "schema_version", "at")  # as selected above
 
 
-def _resume_of(picked: Task) -> Resume:
-    """What the claim read beside the row: the checkpoint (its sealed state opened as a read would)."""
-    if picked.cp_id is None:
-        return Resume(checkpoint=None, calls_asked=picked.calls_asked)
-    row = {"id": picked.cp_id, "task_id": picked.pk, "step": picked.cp_step, "fencing_token": picked.cp_fencing_token,
-           "state": Checkpoint._meta.get_field("state").from_db_value(picked.cp_state, None, connection),
-           "schema_version": picked.cp_schema_version, "at": picked.cp_at}
+@lru_cache(maxsize=2)
+def _claim_next_sql(*, one: bool) -> str:
+    def columns(alias: str) -> str:
+        return ", ".join(f"{alias}.{connection.ops.quote_name(field.column)}" for field in _TASK_FIELDS)
+
+    return _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
+                              operation=Operation._meta.db_table, running=f"'{TaskStatus.RUNNING.value}'",
+                              due=DUE_WHERE, only="AND id = %s" if one else "", columns_of_t=columns("t"),
+                              columns_of_taken=columns("taken"))
+
+
+def _task_of(row: tuple) -> Task:
+    """The Task of the claim's row (its first columns), through the fields' converters as a query's would be."""
+    return Task.from_db(connection.alias, [field.attname for field in _TASK_FIELDS],
+                        _converted(Task, _TASK_FIELDS, row[:len(_TASK_FIELDS)]))
+
+
+def _converted(model: type, fields: Sequence[Field], values: Sequence[Any]) -> list[Any]:
+    """`values` of `fields` as a query of Django's would return them (its backend's and the fields' converters)."""
+    converted = list(values)
+    for position, (converters, expression) in _converters(model, tuple(fields)).items():
+        for converter in converters:
+            converted[position] = converter(converted[position], expression, connection)
+    return converted
+
+
+@lru_cache(maxsize=4)
+def _converters(model: type, fields: tuple[Field, ...]) -> dict[int, tuple[list, Any]]:
+    compiler = connection.ops.compiler("SQLCompiler")(Query(model), connection, connection.alias)
+    return compiler.get_converters([field.get_col(model._meta.db_table) for field in fields])
+
+
+def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool) -> Resume:
+    """What the claim read beside the row: the checkpoint's columns (all NULL when it has none yet), through
+    the fields' converters (its sealed state opened as a read would)."""
+    if checkpoint[0] is None:
+        return Resume(checkpoint=None, calls_asked=calls_asked)
+    fields = [Checkpoint._meta.get_field(name) for name in _CHECKPOINT_FIELDS]
+    values = dict(zip(_CHECKPOINT_FIELDS, _converted(Checkpoint, fields, checkpoint), strict=True))
+    values["task_id"] = task.pk
     # In the model's column order, as from_db takes them (a column added to Checkpoint fails here, loudly).
     names = [field.attname for field in Checkpoint._meta.concrete_fields]
-    checkpoint = Checkpoint.from_db(connection.alias, names, [row[name] for name in names])
-    return Resume(checkpoint=checkpoint, calls_asked=picked.calls_asked)
+    return Resume(checkpoint=Checkpoint.from_db(connection.alias, names, [values[name] for name in names]),
+                  calls_asked=calls_asked)
 
 
 def _claim(rows: QuerySet[Task], *, owner: str, now: datetime) -> Task | None:

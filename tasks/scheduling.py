@@ -186,6 +186,8 @@ def admit(*, now: datetime) -> list[int]:
     # Stamped now, holding the lock: the caller read `now` before it queued for it, perhaps before the commit
     # that freed the slot it is about to fill. Its admission must not look older than that slot's end.
     now = max(now, clock.now())
+    if not Task.objects.filter(status=TaskStatus.QUEUED).exists():
+        return []  # nobody waits (one probe of task_queued_idx): no slot to fill, none to take back
     system = system_policy()
     free = system.max_running - Task.objects.filter(status__in=_SLOT_STATUSES).count()
     if free <= 0 and not settings.LONGHAUL_TAKE_SLOTS_BACK:

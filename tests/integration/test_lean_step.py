@@ -10,7 +10,7 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 
-from tasks import actions, clock, jobs, leases, operations, runner
+from tasks import actions, clock, jobs, kicks, leases, operations, runner
 from tasks.context import StepContext
 from tasks.drivers import Continue, OpRequest, get_driver
 from tasks.errors import LeaseLost
@@ -175,3 +175,35 @@ def test_a_step_resumed_after_its_calls_reads_them_once_and_asks_for_more_withou
         list(range(Operation.objects.filter(task=task, step=asked_at).count())))
     assert Checkpoint.objects.filter(task=task, step=task.current_step).exists()
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_the_claimed_task_is_its_row_as_a_read_of_it_would_be(acme, alice, settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+    task = submit_sleep(acme, alice, steps=3)
+    jobs.advance(task.pk)  # its first step: the next claim is the one-statement claim
+    Task.objects.filter(pk=task.pk).update(lease_owner="", next_run_at=clock.now())
+
+    claimed = leases.claim_next(owner="worker-b", now=clock.now())
+
+    assert claimed is not None and claimed.resume is not None
+    read = Task.objects.get(pk=task.pk)
+    fields = [field.attname for field in Task._meta.concrete_fields]
+    assert [getattr(claimed, name) for name in fields] == [getattr(read, name) for name in fields]
+    assert claimed.input["steps"] == 3  # opened, as a read opens it
+    assert claimed.lease_owner == "worker-b" and claimed.status == TaskStatus.RUNNING
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_the_claim_and_the_probe_are_planned_once_per_connection(acme, alice):
+    for _ in range(3):
+        submit_sleep(acme, alice, steps=2)
+    for _ in range(8):  # PostgreSQL weighs a plan for every call against custom plans for the first five
+        leases.claim_next(owner="worker-b", now=clock.now())
+        kicks.waiting(now=clock.now(), besides=0)
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans FROM pg_prepared_statements")
+        kept = {"claim" if "WITH picked" in statement else "probe": plans for statement, plans in cursor.fetchall()}
+    assert kept.keys() == {"claim", "probe"}, kept
+    assert all(plans > 0 for plans in kept.values()), f"a statement is planned again at every call: {kept}"
