@@ -121,14 +121,13 @@ def waiting(*, now: datetime, besides: int) -> Waiting:
     if connection.vendor == "postgresql":
         # Sent at every step a worker runs: prepared, and leases.due() written out as SQL for that.
         steps_sql = f"SELECT 1 FROM {Task._meta.db_table} WHERE {leases.DUE_WHERE} AND id <> %s LIMIT 1"
-        steps_params: tuple = (now, now, besides)
-        cursor = prepared.cursor()
+        found_jobs, found_steps = prepared.fetchone(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})",
+                                                    (*jobs_params, now, now, besides))
     else:
         steps_sql, steps_params = leases.due(now).exclude(pk=besides).values("pk")[:1].query.sql_with_params()
-        cursor = connection.cursor()
-    with cursor:
-        cursor.execute(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params))
-        found_jobs, found_steps = cursor.fetchone()
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params))
+            found_jobs, found_steps = cursor.fetchone()
     return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
 
 

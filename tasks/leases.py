@@ -75,9 +75,7 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     when it is between two steps, with its Resume; the full claim otherwise."""
     params = [now, now, *([] if task_id is None else [task_id]),
               now, owner, now + timedelta(seconds=lease_seconds()), now]
-    with prepared.cursor() as cursor:
-        cursor.execute(_claim_next_sql(one=task_id is not None), params)
-        row = cursor.fetchone()
+    row = prepared.fetchone(_claim_next_sql(one=task_id is not None), params)
     if row is None:
         return None
     picked = _task_of(row)

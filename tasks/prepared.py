@@ -1,5 +1,5 @@
-"""A cursor for the few statements a worker sends at every step, which PostgreSQL then plans
-once per connection instead of at every call.
+"""The few statements a worker sends at every step, as statements PostgreSQL plans once per
+connection instead of at every call.
 
 Django binds every parameter on the client and prepares nothing (its psycopg backend sets
 prepare_threshold to None, so that transaction-mode connection poolers work). For the claim
@@ -8,22 +8,24 @@ Longhaul's workers hold persistent connections of their own, so a prepared state
 as long as the connection that made it; a pooler that hands a connection to another client
 between transactions needs protocol-level prepared statements (PgBouncer 1.21 and later).
 
-Statements prepared here must name their columns rather than select `*`: a prepared plan
-whose result changes shape (a column added by a migration) fails instead of re-planning.
+Statements prepared here name their columns rather than select `*`, so a column added by a
+migration leaves their results as they were. A migration that changes the type of a column
+they return makes PostgreSQL refuse the plan it kept: `fetchone` then starts a new connection.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import psycopg
-from django.db import connection
+from django.db import NotSupportedError, connection
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 
-# Django sets prepare_threshold to None, which turns preparing off for the whole connection, even a statement's
-# own prepare=True. A threshold no count reaches turns it back on for prepare=True alone: Django's cursors bind
-# on the client and never prepare.
+# Preparing is on for a statement of ours alone, for the time of its execute: with the connection's threshold
+# left at None, psycopg neither counts nor keeps Django's own statements (the text of each, values included).
 _ONLY_WHEN_ASKED = 2**31 - 1
+_RESULT_CHANGED = "cached plan must not change result type"
 
 
 class _PreparingCursor(psycopg.Cursor):
@@ -31,7 +33,11 @@ class _PreparingCursor(psycopg.Cursor):
 
     def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                 binary: bool | None = None) -> _PreparingCursor:
-        return super().execute(query, params, prepare=True, binary=binary)
+        threshold, self.connection.prepare_threshold = self.connection.prepare_threshold, _ONLY_WHEN_ASKED
+        try:
+            return super().execute(query, params, prepare=True, binary=binary)
+        finally:
+            self.connection.prepare_threshold = threshold
 
 
 class _LoggedCursor(CursorDebugWrapper):
@@ -43,13 +49,31 @@ class _LoggedCursor(CursorDebugWrapper):
             return CursorWrapper.execute(self, sql, params)
 
 
-def cursor() -> CursorWrapper:
-    """PostgreSQL only. Through Django's cursor wrapper, so the query log, execute wrappers and
-    error translation see these statements as any other."""
+def fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
+    """The first row of `sql`, prepared (PostgreSQL only)."""
+    try:
+        return _fetchone(sql, params)
+    except NotSupportedError as exc:
+        if _RESULT_CHANGED not in str(exc) or connection.in_atomic_block:
+            raise  # (in a transaction, its rollback drops the connection's prepared statements)
+        connection.close()  # the next connection prepares the statement again, with the new column type
+        return _fetchone(sql, params)
+
+
+def _fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
+    with _cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchone()
+
+
+def _cursor() -> CursorWrapper:
+    """Made as Django makes its own (BaseDatabaseWrapper._cursor): the health check a job's start asked for
+    (CONN_HEALTH_CHECKS), then through Django's cursor wrapper, so the query log, execute wrappers and error
+    translation see these statements as any other."""
     assert connection.vendor == "postgresql", "prepared statements are PostgreSQL's"
+    connection.close_if_health_check_failed()
     connection.ensure_connection()
     connection.validate_thread_sharing()
-    if connection.connection.prepare_threshold is None:
-        connection.connection.prepare_threshold = _ONLY_WHEN_ASKED
-    raw = _PreparingCursor(connection.connection)
+    with connection.wrap_database_errors:
+        raw = _PreparingCursor(connection.connection)
     return _LoggedCursor(raw, connection) if connection.queries_logged else connection.make_cursor(raw)

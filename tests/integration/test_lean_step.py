@@ -6,7 +6,7 @@ reading the last step's calls once."""
 from __future__ import annotations
 
 import pytest
-from django.db import connection
+from django.db import close_old_connections, connection
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 
@@ -192,18 +192,68 @@ def test_the_claimed_task_is_its_row_as_a_read_of_it_would_be(acme, alice, setti
     assert [getattr(claimed, name) for name in fields] == [getattr(read, name) for name in fields]
     assert claimed.input["steps"] == 3  # opened, as a read opens it
     assert claimed.lease_owner == "worker-b" and claimed.status == TaskStatus.RUNNING
+    latest = Checkpoint.objects.filter(task=task).latest("step")
+    brought = claimed.resume.checkpoint
+    assert [getattr(brought, f.attname) for f in Checkpoint._meta.concrete_fields] == [
+        getattr(latest, f.attname) for f in Checkpoint._meta.concrete_fields]
+    assert claimed.resume.calls_asked is False
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
 def test_the_claim_and_the_probe_are_planned_once_per_connection(acme, alice):
     for _ in range(3):
         submit_sleep(acme, alice, steps=2)
+    connection.close()  # a session of its own: no statement an earlier test prepared
     for _ in range(8):  # PostgreSQL weighs a plan for every call against custom plans for the first five
         leases.claim_next(owner="worker-b", now=clock.now())
         kicks.waiting(now=clock.now(), besides=0)
 
     with connection.cursor() as cursor:
         cursor.execute("SELECT statement, generic_plans FROM pg_prepared_statements")
-        kept = {"claim" if "WITH picked" in statement else "probe": plans for statement, plans in cursor.fetchall()}
+        rows = cursor.fetchall()
+    assert len(rows) == 2, rows  # the claim and the probe, nothing of Django's
+    assert connection.connection.prepare_threshold is None, "psycopg would count and keep Django's statements"
+    kept = {"claim" if "WITH picked" in statement else "probe": plans for statement, plans in rows}
     assert kept.keys() == {"claim", "probe"}, kept
     assert all(plans > 0 for plans in kept.values()), f"a statement is planned again at every call: {kept}"
+
+
+def _other_session():
+    """A connection of its own to the test database (what another process would be)."""
+    return connection.get_new_connection(connection.get_connection_params())
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_the_claim_after_the_database_dropped_the_connection_opens_another(acme, alice):
+    """A job's start asks for a health check (CONN_HEALTH_CHECKS); the prepared claim, a job's first
+    statement, must run it as Django's own cursors do, or the job fails after every database restart."""
+    task = submit_sleep(acme, alice, steps=2)
+    leases.claim_next(owner="worker-a", now=clock.now())  # prepared on this connection
+    Task.objects.filter(pk=task.pk).update(lease_owner="", next_run_at=clock.now())
+    with _other_session() as other:
+        other.execute("SELECT pg_terminate_backend(%s)", [connection.connection.info.backend_pid])
+    close_old_connections()  # what django-q2 does before every job
+
+    assert leases.claim_next(owner="worker-b", now=clock.now()) is not None
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_the_claim_goes_on_after_a_migration_changes_a_column_it_returns(acme, alice):
+    """PostgreSQL refuses a kept plan whose result's types changed; a worker started before the migration
+    must not fail every claim until its connection grows old."""
+    task = submit_sleep(acme, alice, steps=2)
+    leases.claim_next(owner="worker-a", now=clock.now())
+    Task.objects.filter(pk=task.pk).update(lease_owner="", next_run_at=clock.now())
+    table = Task._meta.db_table
+    try:
+        with _other_session() as other:
+            other.execute(f"ALTER TABLE {table} ALTER COLUMN name TYPE varchar(250)")
+            other.commit()
+
+        assert leases.claim_next(owner="worker-b", now=clock.now()) is not None
+        assert kicks.waiting(now=clock.now(), besides=0) is not None
+    finally:
+        with _other_session() as other:
+            other.execute(f"ALTER TABLE {table} ALTER COLUMN name TYPE varchar(200)")
+            other.commit()
+        connection.close()  # its statements were planned for varchar(250)
