@@ -118,15 +118,19 @@ def waiting(*, now: datetime, besides: int) -> Waiting:
     jobs_sql = (f"SELECT 1 FROM {OrmQ._meta.db_table} WHERE lock <= %s "
                 f"AND (key = %s OR (key = %s AND {turn_free})) LIMIT 1")
     jobs_params = (now, _queue_key(), gateway_key(_queue_key()), *turn_params)
-    if connection.vendor == "postgresql":
+    postgresql = connection.vendor == "postgresql"
+    if postgresql:
         # Sent at every step a worker runs: prepared, and leases.due() written out as SQL for that.
         steps_sql = f"SELECT 1 FROM {Task._meta.db_table} WHERE {leases.DUE_WHERE} AND id <> %s LIMIT 1"
-        found_jobs, found_steps = prepared.fetchone(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})",
-                                                    (*jobs_params, now, now, besides))
+        steps_params: tuple = (now, now, besides)
     else:
         steps_sql, steps_params = leases.due(now).exclude(pk=besides).values("pk")[:1].query.sql_with_params()
+    sql, params = f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params)
+    if postgresql:
+        found_jobs, found_steps = prepared.fetchone(sql, params)
+    else:
         with connection.cursor() as cursor:
-            cursor.execute(f"SELECT EXISTS({jobs_sql}), EXISTS({steps_sql})", (*jobs_params, *steps_params))
+            cursor.execute(sql, params)
             found_jobs, found_steps = cursor.fetchone()
     return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
 

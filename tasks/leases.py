@@ -105,40 +105,44 @@ WITH picked AS (
     FROM picked WHERE t.id = picked.id AND picked.plain
     RETURNING {columns_of_t}
 )
-SELECT {columns_of_taken}, true, cp.id, cp.step, cp.fencing_token, cp.state, cp.schema_version, cp.at,
+SELECT {columns_of_taken}, true, {columns_of_cp},
     EXISTS (SELECT 1 FROM {operation} o WHERE o.task_id = taken.id AND o.step = taken.current_step - 1)
 FROM taken LEFT JOIN LATERAL (
-    SELECT id, step, fencing_token, state, schema_version, at FROM {checkpoint} c
+    SELECT {columns_of_c} FROM {checkpoint} c
     WHERE c.task_id = taken.id ORDER BY c.step DESC LIMIT 1) cp ON true
 UNION ALL
-SELECT {columns_of_t}, false, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT {columns_of_t}, false, {no_checkpoint}, NULL
 FROM {task} t JOIN picked ON picked.id = t.id WHERE NOT picked.plain
 """
-_TASK_FIELDS = Task._meta.concrete_fields
-_CHECKPOINT_FIELDS = ("id", "step", "fencing_token", "state", "schema_version", "at")  # as selected above
+_TASK_FIELDS = tuple(Task._meta.concrete_fields)
+_TASK_NAMES = [field.attname for field in _TASK_FIELDS]
+# What a step reads of its checkpoint (task_id is the claimed task's own).
+_CHECKPOINT_FIELDS = tuple(Checkpoint._meta.get_field(name)
+                           for name in ("id", "step", "fencing_token", "state", "schema_version", "at"))
 
 
 @lru_cache(maxsize=2)
 def _claim_next_sql(*, one: bool) -> str:
-    def columns(alias: str) -> str:
-        return ", ".join(f"{alias}.{connection.ops.quote_name(field.column)}" for field in _TASK_FIELDS)
+    def columns(alias: str, fields: Sequence[Field] = _TASK_FIELDS) -> str:
+        return ", ".join(f"{alias}.{connection.ops.quote_name(field.column)}" for field in fields)
 
     return _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
                               operation=Operation._meta.db_table, running=f"'{TaskStatus.RUNNING.value}'",
                               due=DUE_WHERE, only="AND id = %s" if one else "", columns_of_t=columns("t"),
-                              columns_of_taken=columns("taken"))
+                              columns_of_taken=columns("taken"), columns_of_c=columns("c", _CHECKPOINT_FIELDS),
+                              columns_of_cp=columns("cp", _CHECKPOINT_FIELDS),
+                              no_checkpoint=", ".join(["NULL"] * len(_CHECKPOINT_FIELDS)))
 
 
 def _task_of(row: tuple) -> Task:
     """The Task of the claim's row (its first columns), through the fields' converters as a query's would be."""
-    return Task.from_db(connection.alias, [field.attname for field in _TASK_FIELDS],
-                        _converted(Task, _TASK_FIELDS, row[:len(_TASK_FIELDS)]))
+    return Task.from_db(connection.alias, _TASK_NAMES, _converted(Task, _TASK_FIELDS, row[:len(_TASK_FIELDS)]))
 
 
-def _converted(model: type, fields: Sequence[Field], values: Sequence[Any]) -> list[Any]:
+def _converted(model: type, fields: tuple[Field, ...], values: Sequence[Any]) -> list[Any]:
     """`values` of `fields` as a query of Django's would return them (its backend's and the fields' converters)."""
     converted = list(values)
-    for position, (converters, expression) in _converters(model, tuple(fields)).items():
+    for position, (converters, expression) in _converters(model, fields).items():
         for converter in converters:
             converted[position] = converter(converted[position], expression, connection)
     return converted
@@ -155,8 +159,8 @@ def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool) -> R
     the fields' converters (its sealed state opened as a read would)."""
     if checkpoint[0] is None:
         return Resume(checkpoint=None, calls_asked=calls_asked)
-    fields = [Checkpoint._meta.get_field(name) for name in _CHECKPOINT_FIELDS]
-    values = dict(zip(_CHECKPOINT_FIELDS, _converted(Checkpoint, fields, checkpoint), strict=True))
+    values = dict(zip((field.attname for field in _CHECKPOINT_FIELDS),
+                      _converted(Checkpoint, _CHECKPOINT_FIELDS, checkpoint), strict=True))
     values["task_id"] = task.pk
     # In the model's column order, as from_db takes them (a column added to Checkpoint fails here, loudly).
     names = [field.attname for field in Checkpoint._meta.concrete_fields]
