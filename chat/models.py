@@ -16,7 +16,8 @@ from tasks.sealed import SealedJSONField, SealedModel, SealedQuerySet, SealedTex
 
 class Thread(SealedModel):
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
-    tenant = models.ForeignKey("tasks.Tenant", on_delete=models.CASCADE, related_name="threads")
+    tenant = models.ForeignKey("tasks.Tenant", on_delete=models.CASCADE, related_name="threads",
+                               db_index=False)  # thread_owner_recent_idx leads with it
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="threads")
     # Sealed: the first message names the thread, so its title is the user's words (tasks/sealed.py).
     title = SealedTextField(blank=True)
@@ -105,7 +106,8 @@ class Message(SealedModel):
         ASSISTANT = "assistant"
         TOOL = "tool"
 
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="messages")
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="messages",
+                               db_index=False)  # message_thread_seq_unique leads with it
     role = models.CharField(max_length=16, choices=Role.choices)
     content = SealedTextField(tenant="thread__tenant_id")
     hidden = models.BooleanField(default=False, help_text="Injected turns (task notifications), not shown.")
@@ -151,7 +153,8 @@ class ThreadItem(models.Model):
     so Thread.item_marks (per task, the last seq looked at) tells exactly which are still to number.
     """
 
-    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="items")
+    thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="items",
+                               db_index=False)  # thread_item_seq_unique leads with it
     seq = models.PositiveIntegerField()
     # No database constraints on these two: a constraint is checked at commit with a share lock on the
     # task's row, which a reader that holds the thread's row could then wait for behind a transaction
@@ -183,6 +186,7 @@ class Proposal(SealedModel):
     thread = models.ForeignKey(Thread, on_delete=models.CASCADE, related_name="proposals")
     tenant = models.ForeignKey("tasks.Tenant", on_delete=models.CASCADE, related_name="+")
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="proposals",
+                            db_index=False,  # proposal_one_per_tool_call leads with it
                             help_text="The run whose model proposed it.")
     n = models.PositiveIntegerField(help_text="The tool call's index in its run: the confirmed action's "
                                               "idempotency key is the run's and this.")

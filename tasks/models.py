@@ -45,7 +45,8 @@ class TenantKey(models.Model):
     destroyed seals new content; older ones open what they sealed until `rotate_tenant_key` has resealed it.
     A destroyed key keeps its row without the key: what it sealed reads as erased (crypto-shredding)."""
 
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="keys")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="keys",
+                               db_index=False)  # tenant_key_version_unique leads with it
     version = models.PositiveIntegerField()
     master_key_id = models.CharField(max_length=32, help_text="The LONGHAUL_MASTER_KEYS entry that wraps it.")
     wrapped = models.BinaryField(blank=True, help_text="Nonce and AES-256-GCM ciphertext of the data key; "
@@ -65,7 +66,8 @@ class Membership(models.Model):
         MEMBER = "member"
         ADMIN = "admin"
 
-    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships",
+                             db_index=False)  # membership_user_tenant_unique leads with it
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -78,11 +80,15 @@ class Membership(models.Model):
 
 
 class Task(SealedModel):
+    # No step's UPDATE of this row is HOT (its lease and due time are indexed), so each one writes an entry into
+    # every index the row is in: the foreign keys below have no index of their own where another index leads
+    # with them (tenant, thread), and the ones nearly always NULL (the *_requested_by) index only their values.
     public_id = models.UUIDField(default=uuid.uuid4, unique=True, editable=False)
-    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="tasks")
+    tenant = models.ForeignKey(Tenant, on_delete=models.PROTECT, related_name="tasks", db_index=False)
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="tasks")
     # Named by string so that tasks never imports chat (DESIGN §3).
-    thread = models.ForeignKey("chat.Thread", null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks")
+    thread = models.ForeignKey("chat.Thread", null=True, blank=True, on_delete=models.SET_NULL, related_name="tasks",
+                               db_index=False)
     kind = models.CharField(max_length=32)
     name = models.CharField(max_length=200)
     input = SealedJSONField(default=dict)
@@ -112,13 +118,13 @@ class Task(SealedModel):
 
     cancel_requested_at = models.DateTimeField(null=True, blank=True)
     cancel_requested_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
     )
     cancel_reason = models.CharField(max_length=500, blank=True)
     cancel_keep_results = models.BooleanField(default=False)
     pause_requested_at = models.DateTimeField(null=True, blank=True)
     pause_requested_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
     )
     pause_reason = models.CharField(max_length=500, blank=True)
     delete_requested_at = models.DateTimeField(
@@ -126,7 +132,7 @@ class Task(SealedModel):
         help_text="Its owner deleted it (or its thread) while it could still run: hidden at once, cancelled, and "
                   "deleted by the sweeper once it has ended (tasks/deletion.py).")
     delete_requested_by = models.ForeignKey(
-        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+", db_index=False
     )
     yield_requested_at = models.DateTimeField(
         null=True, blank=True,
@@ -215,6 +221,9 @@ class Task(SealedModel):
             models.Index(fields=["lease_expires_at"], name="task_leased_idx", condition=~Q(lease_owner="")),
             # api: a tenant's tasks, newest first.
             models.Index(fields=["tenant", "-created_at"], name="task_tenant_recent_idx"),
+            # Deleting a user sets these NULL where they name the user.
+            *(models.Index(fields=[field], name=f"task_{field}_idx", condition=Q(**{f"{field}__isnull": False}))
+              for field in ("cancel_requested_by", "pause_requested_by", "delete_requested_by")),
             models.Index(fields=["thread", "-created_at"], name="task_thread_recent_idx"),
             # chat.api.panel_tasks: a thread's tasks not ended, newest first, however many have ended in it.
             models.Index(fields=["thread", "-created_at"], name="task_thread_active_idx",
@@ -261,7 +270,8 @@ CLEAR_EVENTS = frozenset({"retry_scheduled"})
 
 
 class TaskEvent(SealedModel):
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="events",
+                             db_index=False)  # event_task_seq_unique leads with it
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
     seq = models.PositiveBigIntegerField()
     kind = models.CharField(max_length=40)
@@ -284,7 +294,8 @@ class TaskEvent(SealedModel):
 
 
 class Checkpoint(SealedModel):
-    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="checkpoints")
+    task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="checkpoints",
+                             db_index=False)  # checkpoint_task_step_unique leads with it
     step = models.PositiveIntegerField()
     fencing_token = models.PositiveBigIntegerField()
     state = SealedJSONField(default=dict, tenant="task__tenant_id")
@@ -366,7 +377,8 @@ class Operation(SealedModel):
 
 
 class IdempotencyRecord(models.Model):
-    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+",
+                               db_index=False)  # idempotency_tenant_user_key_unique leads with it
     user = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+")
     key = models.CharField(max_length=255)
     kind = models.CharField(max_length=32)
@@ -382,7 +394,8 @@ class IdempotencyRecord(models.Model):
 
 
 class AuditEntry(models.Model):
-    tenant = models.ForeignKey(Tenant, null=True, on_delete=models.SET_NULL, related_name="+")
+    tenant = models.ForeignKey(Tenant, null=True, on_delete=models.SET_NULL, related_name="+",
+                               db_index=False)  # audit_tenant_recent_idx leads with it
     actor = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
     action = models.CharField(max_length=64)
     target_type = models.CharField(max_length=32)

@@ -69,7 +69,8 @@ class Delivery(SealedModel):
     """One event version of one task for one endpoint: the outbox row, sent until the receiver says 2xx."""
 
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="+")
-    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="deliveries")
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="deliveries",
+                                 db_index=False)  # webhook_delivery_version_unique leads with it
     task = models.ForeignKey(Task, on_delete=models.CASCADE, related_name="+")
     event_seq = models.PositiveBigIntegerField(help_text="The task event's seq: this delivery's version.")
     event_type = models.CharField(max_length=40)
