@@ -159,6 +159,17 @@ def postmaster_started() -> str:
     return reconnecting(read)
 
 
+def wal_position() -> int:
+    """Bytes of write-ahead log the server has written so far, for all its databases: what a stretch of work
+    wrote is the difference (a measure of the writes themselves, steadier than their time on a shared machine)."""
+    def read() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
+            return int(cursor.fetchone()[0])
+
+    return reconnecting(read)
+
+
 def machine_line() -> str:
     m = machine()
     return (f"{m['date']}; {m['cores']} cores ({m['usable cores']} usable); load {m['load average']}; "

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -72,6 +72,7 @@ class DbosFigures:
     direct_e2e_ms: list[float]  # one workflow alone, DBOS.start_workflow -> result
     version: str
     note: str = ""
+    wal_bytes_per_step: list[float] = field(default_factory=list)  # per round: WAL bytes a step, enqueue included
 
 
 def available() -> str | None:
@@ -284,12 +285,14 @@ def run(*, database_url: str, workflows: int = 100, steps: int = 5, processes: i
                       ROUND_POLL_SEC)
                 # Each clock starts once the enqueue has committed (Longhaul's: once its submit has) and
                 # stops at the last workflow's own end time.
-                rates = []
+                rates, wal = [], []
                 for _ in range(rounds):
+                    wal_before = _wal_position(engine)
                     handles = _enqueue(client, engine, workflows, steps)
                     started = time.time()
                     ended = _wait(handles, expected, time.monotonic() + timeout, ROUND_POLL_SEC)
                     rates.append(workflows * steps / (ended - started))
+                    wal.append((_wal_position(engine) - wal_before) / (workflows * steps))
                 queued_ms = []
                 for _ in range(solo):
                     handle = client.enqueue({"queue_name": QUEUE, "workflow_name": WORKFLOW}, steps)
@@ -308,7 +311,15 @@ def run(*, database_url: str, workflows: int = 100, steps: int = 5, processes: i
             f"enqueued in one transaction by a DBOSClient; timed from the enqueue's commit to the last "
             f"workflow's own end (its updated_at); system database {sys_name} (dropped after the run)")
     return DbosFigures(steps_per_second=rates, queued_e2e_ms=queued_ms, direct_e2e_ms=direct_ms,
-                       version=dbos_version(), note=note)
+                       version=dbos_version(), note=note, wal_bytes_per_step=wal)
+
+
+def _wal_position(engine: Any) -> int:
+    """Bytes of write-ahead log the server has written so far, for all its databases (as _harness.wal_position)."""
+    import sqlalchemy as sa
+
+    with engine.connect() as conn:
+        return int(conn.execute(sa.text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar_one())
 
 
 def _summary(samples: list[float]) -> str:

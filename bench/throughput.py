@@ -8,7 +8,8 @@ Per round, with one real qcluster (W workers) already warm:
 - raw django-q2: N*S no-op `async_task`s (save=False) enqueued in one transaction; from its
   commit to the broker table drained (django-q2 deletes a message when it acknowledges it);
 - Longhaul: N sleep tasks of S steps submitted through tasks.actions.submit in one transaction;
-  from its commit to the last task's finished_at;
+  from its commit to the last task's finished_at, and the write-ahead log the server wrote meanwhile
+  (measured the same way around DBOS's rounds: what each writes a step, steadier than time here);
 - the database ceiling: W connections, each looping a SKIP LOCKED claim (one transaction) and a
   fenced completion (another) as plain SQL over a scratch table of N*S rows.
 Then, on the idle cluster, tasks of 5 steps one at a time: end to end time, and the gap between
@@ -62,6 +63,7 @@ class Round:
     ceiling_rate: float = 0.0
     loaded_gaps_ms: list[float] = field(default_factory=list)
     failed: int = 0
+    wal_bytes_per_step: float = 0.0  # the server's WAL written from before the submission to the last task's end
 
 
 # --- raw django-q2 ---------------------------------------------------------------------
@@ -127,12 +129,15 @@ def checkpoint_gaps(ids: list[int]) -> list[float]:
 
 
 def longhaul(scope: h.Scope, tasks: int, steps: int, *, timeout: float) -> Round:
+    wal_before = h.wal_position()
     ids, started = submit_many(scope, tasks, steps)
     wait_terminal(ids, timeout=timeout)
+    wal = (h.wal_position() - wal_before) / (tasks * steps)
     rows = Task.objects.filter(pk__in=ids)
     ended = max(t.timestamp() for t in rows.values_list("finished_at", flat=True))
     failed = rows.exclude(status=TaskStatus.SUCCEEDED).count()
-    return Round(longhaul_rate=tasks * steps / (ended - started), loaded_gaps_ms=checkpoint_gaps(ids), failed=failed)
+    return Round(longhaul_rate=tasks * steps / (ended - started), loaded_gaps_ms=checkpoint_gaps(ids), failed=failed,
+                 wal_bytes_per_step=wal)
 
 
 def solo(scope: h.Scope, count: int, *, timeout: float) -> tuple[list[float], list[float]]:
@@ -262,6 +267,12 @@ def going_on(scope: h.Scope, tasks: int, steps: int) -> float:
     return len(queries.captured_queries) / (tasks * steps)
 
 
+def _index_count(table: str) -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_indexes WHERE tablename = %s", [table])
+        return cursor.fetchone()[0]
+
+
 def wakeup_handoff(count: int) -> list[float]:
     """Microseconds a committing thread spends handing one wake-up to the process's sender
     (tasks/events.py), on the channel layer the settings name (Redis in `make bench`)."""
@@ -310,6 +321,7 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                     r = Round(raw_rate=raw_django_q(tasks * steps, timeout=timeout))
                     lh = longhaul(scope, tasks, steps, timeout=timeout)
                     r.longhaul_rate, r.loaded_gaps_ms, r.failed = lh.longhaul_rate, lh.loaded_gaps_ms, lh.failed
+                    r.wal_bytes_per_step = lh.wal_bytes_per_step
                     r.ceiling_rate = ceiling(tasks * steps, workers)
                     results.append(r)
                     print(f"round {len(results)}: raw django-q2 {r.raw_rate:.0f} msg/s, Longhaul "
@@ -364,6 +376,7 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
         report.notes.append(f"DBOS was not measured: {missing}.")
     else:
         dbos_rate = h.median(peer.steps_per_second)
+        dbos_wal, lh_wal = h.median(peer.wal_bytes_per_step), h.median(r.wal_bytes_per_step for r in results)
         queued_p50 = h.percentile(peer.queued_e2e_ms, 50)
         report.add("Beside DBOS Transact (same PostgreSQL, same number of processes)", h.table(
             ["", "DBOS", "Longhaul", "Longhaul / DBOS"],
@@ -374,6 +387,8 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                  h.fmt(queued_p50, 1), h.fmt(e2e_p50, 1), f"{e2e_p50 / queued_p50:.0%}"],
                 ["one 5-step task alone, p50 ms: DBOS started directly (no queue)",
                  h.fmt(h.percentile(peer.direct_e2e_ms, 50), 1), "", ""],
+                [f"write-ahead log written a step, bytes (median of {rounds}; the submission included)",
+                 h.fmt(dbos_wal, 0), h.fmt(lh_wal, 0), f"{lh_wal / dbos_wal:.0%}"],
             ])
             + f"\n\nDBOS rounds: {', '.join(h.fmt(r, 0) for r in peer.steps_per_second)} steps/s. {peer.note}. "
               "DBOS ran after Longhaul's cluster had stopped. Both are timed from the commit of the submission "
@@ -437,13 +452,17 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
         h.Target("no wake-up errors", f"{wakeup_failures} logged", wakeup_failures == 0),
     ]
     if peer is not None and lh < dbos_rate:
+        task_indexes = _index_count(Task._meta.db_table)
         report.notes.append(
             f"Why Longhaul's steps/s stay below DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step: the probe; "
             "the fenced commit (its UPDATE, the events and the checkpoint, with BEGIN and COMMIT); the one-statement "
             "claim, which also brings the checkpoint and whether the step before asked for calls. Each UPDATE of the "
-            "task row also writes every one of its indexes, since the due time and the lease columns are indexed and "
-            "no update is HOT. A DBOS step writes one row. What would close it: the lease and due-time columns in a "
+            f"task row also writes an entry into each of the table's {task_indexes} indexes that holds the row, since "
+            "the due time and the lease columns are indexed and no update is HOT; the write-ahead log written a step "
+            f"says the same ({h.fmt(lh_wal, 0)} bytes against DBOS's {h.fmt(dbos_wal, 0)}). "
+            "A DBOS step writes one row. "
+            "What would close it: the lease and due-time columns in a "
             "narrow table of their own, and several tasks' steps committed together (one BEGIN, one COMMIT and one "
             "flush of the write-ahead log for a batch of steps).")
     if peer is not None and e2e_p50 > queued_p50:
