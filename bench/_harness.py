@@ -160,11 +160,12 @@ def postmaster_started() -> str:
 
 
 def wal_position() -> int:
-    """Bytes of write-ahead log the server has written so far, for all its databases: what a stretch of work
-    wrote is the difference (a measure of the writes themselves, steadier than their time on a shared machine)."""
+    """Bytes of write-ahead log the server has generated so far, for all its databases (so a stretch of work counts
+    whatever else ran meanwhile, and the full-page images a checkpoint inside it brings): what the stretch wrote
+    is the difference, a measure of the writes themselves, steadier than their time on a shared machine."""
     def read() -> int:
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")
+            cursor.execute("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")
             return int(cursor.fetchone()[0])
 
     return reconnecting(read)

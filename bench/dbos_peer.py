@@ -315,11 +315,11 @@ def run(*, database_url: str, workflows: int = 100, steps: int = 5, processes: i
 
 
 def _wal_position(engine: Any) -> int:
-    """Bytes of write-ahead log the server has written so far, for all its databases (as _harness.wal_position)."""
+    """Bytes of write-ahead log the server has generated so far, for all its databases (as _harness.wal_position)."""
     import sqlalchemy as sa
 
     with engine.connect() as conn:
-        return int(conn.execute(sa.text("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn")).scalar_one())
+        return int(conn.execute(sa.text("SELECT pg_current_wal_insert_lsn() - '0/0'::pg_lsn")).scalar_one())
 
 
 def _summary(samples: list[float]) -> str:

@@ -267,10 +267,11 @@ def going_on(scope: h.Scope, tasks: int, steps: int) -> float:
     return len(queries.captured_queries) / (tasks * steps)
 
 
-def _index_count(table: str) -> int:
+def _index_counts(table: str) -> tuple[int, int]:
+    """The table's indexes, and how many of them are partial."""
     with connection.cursor() as cursor:
-        cursor.execute("SELECT count(*) FROM pg_indexes WHERE tablename = %s", [table])
-        return cursor.fetchone()[0]
+        cursor.execute("SELECT count(*), count(indpred) FROM pg_index WHERE indrelid = %s::regclass", [table])
+        return cursor.fetchone()
 
 
 def wakeup_handoff(count: int) -> list[float]:
@@ -387,10 +388,13 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                  h.fmt(queued_p50, 1), h.fmt(e2e_p50, 1), f"{e2e_p50 / queued_p50:.0%}"],
                 ["one 5-step task alone, p50 ms: DBOS started directly (no queue)",
                  h.fmt(h.percentile(peer.direct_e2e_ms, 50), 1), "", ""],
-                [f"write-ahead log written a step, bytes (median of {rounds}; the submission included)",
+                [f"write-ahead log a step, bytes, server-wide (median of {rounds}; the submission included)",
                  h.fmt(dbos_wal, 0), h.fmt(lh_wal, 0), f"{lh_wal / dbos_wal:.0%}"],
             ])
             + f"\n\nDBOS rounds: {', '.join(h.fmt(r, 0) for r in peer.steps_per_second)} steps/s. {peer.note}. "
+              f"Write-ahead log a step, each round: DBOS {', '.join(h.fmt(w, 0) for w in peer.wal_bytes_per_step)}; "
+              f"Longhaul {', '.join(h.fmt(r.wal_bytes_per_step, 0) for r in results)} bytes (the server's, read around "
+              "each round: whatever else ran on it counts, and so does a checkpoint's burst of full-page images). "
               "DBOS ran after Longhaul's cluster had stopped. Both are timed from the commit of the submission "
               "to the rows' own end times.")
         report.targets += [
@@ -452,14 +456,15 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
         h.Target("no wake-up errors", f"{wakeup_failures} logged", wakeup_failures == 0),
     ]
     if peer is not None and lh < dbos_rate:
-        task_indexes = _index_count(Task._meta.db_table)
+        total, partial = _index_counts(Task._meta.db_table)
         report.notes.append(
             f"Why Longhaul's steps/s stay below DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step: the probe; "
             "the fenced commit (its UPDATE, the events and the checkpoint, with BEGIN and COMMIT); the one-statement "
             "claim, which also brings the checkpoint and whether the step before asked for calls. Each UPDATE of the "
-            f"task row also writes an entry into each of the table's {task_indexes} indexes that holds the row, since "
-            "the due time and the lease columns are indexed and no update is HOT; the write-ahead log written a step "
+            f"task row also writes an entry into each of the table's indexes whose condition the row meets ({total} "
+            f"indexes, {partial} of them partial), since the due time and the lease columns are indexed and no update "
+            "is HOT; the write-ahead log a step "
             f"says the same ({h.fmt(lh_wal, 0)} bytes against DBOS's {h.fmt(dbos_wal, 0)}). "
             "A DBOS step writes one row. "
             "What would close it: the lease and due-time columns in a "

@@ -221,10 +221,10 @@ class Task(SealedModel):
             models.Index(fields=["lease_expires_at"], name="task_leased_idx", condition=~Q(lease_owner="")),
             # api: a tenant's tasks, newest first.
             models.Index(fields=["tenant", "-created_at"], name="task_tenant_recent_idx"),
+            models.Index(fields=["thread", "-created_at"], name="task_thread_recent_idx"),
             # Deleting a user sets these NULL where they name the user.
             *(models.Index(fields=[field], name=f"task_{field}_idx", condition=Q(**{f"{field}__isnull": False}))
               for field in ("cancel_requested_by", "pause_requested_by", "delete_requested_by")),
-            models.Index(fields=["thread", "-created_at"], name="task_thread_recent_idx"),
             # chat.api.panel_tasks: a thread's tasks not ended, newest first, however many have ended in it.
             models.Index(fields=["thread", "-created_at"], name="task_thread_active_idx",
                          condition=~Q(status__in=sorted(TERMINAL))),

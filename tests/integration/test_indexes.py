@@ -5,8 +5,11 @@ foreign keys that are nearly always NULL index only the rows that name someone."
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.apps import apps
+from django.core.management import call_command
 from django.db import connection
 
 from tasks import clock
@@ -38,12 +41,36 @@ ORDER BY 1, 2
 """
 
 
+def _our_tables() -> list[str]:
+    return sorted({model._meta.db_table for app in OUR_APPS for model in apps.get_app_config(app).get_models()})
+
+
 def test_no_index_of_ours_only_repeats_the_first_columns_of_another():
-    tables = sorted({model._meta.db_table for app in OUR_APPS for model in apps.get_app_config(app).get_models()})
     with connection.cursor() as cursor:
-        cursor.execute(REDUNDANT, [tables])
+        cursor.execute(REDUNDANT, [_our_tables()])
         redundant = cursor.fetchall()
     assert redundant == [], f"each (index, the index that starts with its columns): {redundant}"
+
+
+# Foreign keys (one column) with no index that starts with their column and holds every row that names a parent:
+# deleting a parent row (a cascade, SET NULL, PROTECT's check) would read the whole table.
+UNINDEXED_FOREIGN_KEYS = """
+SELECT c.conrelid::regclass::text, a.attname
+FROM pg_constraint c JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = c.conkey[1]
+WHERE c.contype = 'f' AND cardinality(c.conkey) = 1 AND c.conrelid::regclass::text = ANY(%s)
+  AND NOT EXISTS (
+    SELECT 1 FROM pg_index i
+    WHERE i.indrelid = c.conrelid AND i.indkey[0] = c.conkey[1] AND i.indexprs IS NULL
+      AND (i.indpred IS NULL OR pg_get_expr(i.indpred, i.indrelid) = format('(%%I IS NOT NULL)', a.attname)))
+ORDER BY 1, 2
+"""
+
+
+def test_every_foreign_key_of_ours_still_leads_an_index_that_holds_the_rows_naming_a_parent():
+    with connection.cursor() as cursor:
+        cursor.execute(UNINDEXED_FOREIGN_KEYS, [_our_tables()])
+        unindexed = cursor.fetchall()
+    assert unindexed == [], f"(table, column) of foreign keys no index serves: {unindexed}"
 
 
 def test_the_tasks_user_columns_that_are_nearly_always_null_index_only_the_rows_that_name_a_user():
@@ -72,3 +99,15 @@ def test_deleting_a_user_who_asked_to_stop_tasks_finds_them_by_those_indexes(acm
     bob.delete()
 
     assert Task.objects.filter(pk=task.pk).values(*NULL_MOSTLY).get() == dict.fromkeys(NULL_MOSTLY)
+
+
+@pytest.mark.parametrize("app, migration", [("tasks", "0028"), ("chat", "0011"), ("webhooks", "0003")])
+def test_dropping_those_indexes_leaves_the_foreign_keys_constraints_alone(app, migration):
+    """Django would drop and add back each constraint, checking every row again under an exclusive lock of both
+    tables while workers wait (tasks/index_ops.py): the migrations drop the indexes and nothing else."""
+    out = io.StringIO()
+    call_command("sqlmigrate", app, migration, stdout=out)
+    statements = [line for line in out.getvalue().splitlines()
+                  if line and not line.startswith(("--", "BEGIN", "COMMIT"))]
+    assert statements, out.getvalue()
+    assert all(line.startswith(("DROP INDEX IF EXISTS", "CREATE INDEX")) for line in statements), statements
