@@ -5,6 +5,9 @@ reading the last step's calls once."""
 
 from __future__ import annotations
 
+import itertools
+from datetime import timedelta
+
 import pytest
 from django.db import close_old_connections, connection
 from django.test.utils import CaptureQueriesContext
@@ -257,3 +260,30 @@ def test_the_claim_goes_on_after_a_migration_changes_a_column_it_returns(acme, a
             other.execute(f"ALTER TABLE {table} ALTER COLUMN name TYPE varchar(200)")
             other.commit()
         connection.close()  # its statements were planned for varchar(250)
+
+
+def test_the_prepared_statements_due_condition_finds_the_rows_the_orms_does(acme, alice):
+    """leases.DUE_WHERE (the claim's and the probe's SQL) is leases.due() written out a second time; every
+    status, due time and lease a row can have, the two agree row for row (on SQLite, the ORM's form is the one)."""
+    now = clock.now()
+    times = {"past": now - timedelta(seconds=5), "now": now, "future": now + timedelta(seconds=5), "none": None}
+    grid = list(itertools.product(TaskStatus.values, ("past", "now", "future", "none"), ("", "w:1"),
+                                  ("past", "now", "future", "none")))
+    Task.objects.bulk_create(
+        Task(tenant=acme, owner=alice, kind="sleep", name=f"{status} due {due} held by {owner!r} until {until}",
+             status=status, next_run_at=times[due], lease_owner=owner, lease_expires_at=times[until],
+             created_at=now, updated_at=now)
+        for status, due, owner, until in grid)
+
+    by_the_orm = set(leases.due(now).values_list("name", flat=True))
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT name FROM {Task._meta.db_table} WHERE {leases.DUE_WHERE}", [now, now])
+        by_the_sql = {name for (name,) in cursor.fetchall()}
+
+    assert by_the_sql == by_the_orm
+    # The grid holds every case of the condition: due and free, due and held, held by a lapsed lease, not due.
+    assert "running due past held by '' until none" in by_the_sql
+    assert "retry_wait due now held by 'w:1' until past" in by_the_sql
+    assert "running due past held by 'w:1' until future" not in by_the_sql
+    assert "running due future held by '' until none" not in by_the_sql
+    assert "queued due past held by '' until none" not in by_the_sql
