@@ -75,7 +75,8 @@ def claim(run_id: int, *, owner: str, now: datetime) -> Run | None:
     lease = now + timedelta(seconds=lease_seconds())
     due = Q(status=Run.Status.PENDING) | Q(status=Run.Status.RUNNING, lease_expires_at__lt=now)
     with transaction.atomic():
-        run = Run.objects.select_for_update(skip_locked=True).filter(due, pk=run_id).first()
+        # Waits for a row another transaction holds, then reads it again: the kick is this run's only hint.
+        run = Run.objects.select_for_update().filter(due, pk=run_id).first()
         if run is None:
             return None
         if run.attempts >= settings.LONGHAUL_MAX_ATTEMPTS:

@@ -46,9 +46,13 @@ DUE_WHERE = ("status IN ({}) AND next_run_at <= %s AND (lease_owner = '' OR leas
 
 
 def claim(task_id: int, *, owner: str, now: datetime) -> Task | None:
-    """Take the lease of a task that is claimable, due and not held; None if it is not."""
+    """Take the lease of a task that is claimable, due and not held; None if it is not.
+
+    A row another transaction has locked is waited for, then looked at again: this task's kick is the
+    only hint the job has, and skipped, the step would wait for the sweeper's next pass (a recorder of the
+    task's last call, say, holds the row at the very moment a cancel's kick arrives)."""
     if connection.vendor != "postgresql":
-        return _claim(due(now).filter(pk=task_id), owner=owner, now=now)
+        return _claim(due(now).filter(pk=task_id), owner=owner, now=now, wait=True)
     return _claim_in_one(owner=owner, now=now, task_id=task_id)
 
 
@@ -84,10 +88,11 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
         picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked)
         return picked
     # A retry, a takeover or a first claim: transitions.claim writes its event or admission record.
-    return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now)
+    return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now, wait=task_id is not None)
 
 
-# leases.due() in one statement, oldest first (or only the task asked for): the task due longest is locked;
+# leases.due() in one statement, oldest first (or only the task asked for): the task due longest is locked
+# (skipping rows another transaction holds: any other due task will do), or the task asked for (waiting for it);
 # when it is between two steps (no takeover, no retry, not its first claim) it is claimed as transitions.claim
 # would (no event, no admission record then) and returned claimed, beside what its step reads first (its
 # latest checkpoint, and whether the step before asked for calls); otherwise it is returned as it is, for the
@@ -97,7 +102,7 @@ WITH picked AS (
     SELECT id, (status = {running} AND lease_owner = '' AND (current_step > 0 OR attempts > 0)) AS plain
     FROM {task}
     WHERE {due} {only}
-    ORDER BY next_run_at, id LIMIT 1 FOR UPDATE SKIP LOCKED
+    ORDER BY next_run_at, id LIMIT 1 FOR UPDATE {skip_locked}
 ), taken AS (
     UPDATE {task} t SET status = {running}, version = t.version + 1, updated_at = %s, lease_owner = %s,
         lease_expires_at = %s, heartbeat_at = %s, fencing_token = t.fencing_token + 1,
@@ -128,7 +133,8 @@ def _claim_next_sql(*, one: bool) -> str:
 
     return _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
                               operation=Operation._meta.db_table, running=f"'{TaskStatus.RUNNING.value}'",
-                              due=DUE_WHERE, only="AND id = %s" if one else "", columns_of_t=columns("t"),
+                              due=DUE_WHERE, only="AND id = %s" if one else "",
+                              skip_locked="" if one else "SKIP LOCKED", columns_of_t=columns("t"),
                               columns_of_taken=columns("taken"), columns_of_c=columns("c", _CHECKPOINT_FIELDS),
                               columns_of_cp=columns("cp", _CHECKPOINT_FIELDS),
                               no_checkpoint=", ".join(["NULL"] * len(_CHECKPOINT_FIELDS)))
@@ -168,11 +174,13 @@ def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool) -> R
                   calls_asked=calls_asked)
 
 
-def _claim(rows: QuerySet[Task], *, owner: str, now: datetime) -> Task | None:
-    """SKIP LOCKED: a row another transaction is claiming is not worth waiting for.
+def _claim(rows: QuerySet[Task], *, owner: str, now: datetime, wait: bool = False) -> Task | None:
+    """SKIP LOCKED unless `wait`: for the task due longest, a row another transaction is claiming is not
+    worth waiting for; a kick for one task waits (see claim). PostgreSQL reads the row again once the lock
+    is released, and takes it only if it is still due and free.
     SQLite has no row locks; there the IMMEDIATE transaction serializes claims."""
     with transaction.atomic():
-        task = rows.select_for_update(skip_locked=True).first()
+        task = rows.select_for_update(skip_locked=not wait).first()
         if task is None:
             return None
         expires_at = now + timedelta(seconds=lease_seconds())

@@ -130,11 +130,14 @@ def _released() -> dict[str, Any]:
 
 
 def claim(task_id: int, *, owner: str, now: datetime) -> Delivery | None:
-    """pending/retry (due), or claimed by a deliverer that died -> claimed, leased to `owner`."""
+    """pending/retry (due), or claimed by a deliverer that died -> claimed, leased to `owner`.
+
+    Waits for a row another transaction holds (a step's commit, a recorder), then reads it again: the
+    kick is this delivery's only hint, and skipped, the thread would hear of the task at the next sweep."""
     lease = now + timedelta(seconds=settings.LONGHAUL_LEASE_SECONDS)
     with transaction.atomic():
         task = (
-            Task.objects.select_for_update(skip_locked=True)
+            Task.objects.select_for_update()
             .filter(pk=task_id)
             .filter(
                 Q(notification_status__in=[N.PENDING, N.RETRY], next_notification_at__lte=now)

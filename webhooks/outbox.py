@@ -149,8 +149,8 @@ def claim(delivery_id: int, *, owner: str, now: datetime) -> Claimed | None:
     """
     lease = now + timedelta(seconds=settings.LONGHAUL_WEBHOOK_LEASE_SECONDS)
     with transaction.atomic():
-        row = (
-            Delivery.objects.select_for_update(skip_locked=True, of=("self",))
+        row = (  # waits for a row another transaction holds, then reads it again: the kick is its only hint
+            Delivery.objects.select_for_update(of=("self",))
             .select_related("endpoint")
             .filter(_due(now), pk=delivery_id, endpoint__enabled=True)
             .first()

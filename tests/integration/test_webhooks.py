@@ -414,6 +414,20 @@ def test_a_delivery_whose_deliverer_keeps_dying_is_dead_lettered_not_looped(acme
     assert Alert.objects.filter(kind=Alert.Kind.DEAD_LETTER, task=row.task).exists()
 
 
+@pytest.mark.django_db(transaction=True)  # the lock is held on a connection of its own
+def test_a_delivery_kick_that_meets_its_row_locked_for_a_moment_still_delivers(acme, alice, alice_api, receiver):
+    """The kick is the row's only hint: skipped because another transaction held the row for a moment,
+    the webhook would wait for the sweeper's next pass."""
+    from tests.integration.test_kicks_not_lost import row_locked_elsewhere
+
+    listen(alice_api, receiver)
+    finish(submit_sleep(acme, alice, steps=1))
+    [row] = deliveries()
+    with row_locked_elsewhere(row):
+        claimed = outbox.claim(row.pk, owner="a:1", now=clock.now())
+    assert claimed is not None, "the kick was dropped"
+
+
 def test_two_deliverers_racing_for_a_row_one_wins(acme, alice, alice_api, receiver):
     listen(alice_api, receiver)
     finish(submit_sleep(acme, alice, steps=1))
