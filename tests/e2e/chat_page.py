@@ -8,11 +8,13 @@ import time
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.test import Client
+from django.utils import timezone
+from django_q.models import OrmQ
 from playwright.sync_api import Locator, Page, expect
 
 from chat.models import Message, Run, Thread
 from tasks import actions
-from tasks.models import Task
+from tasks.models import Operation, Task, TaskEvent
 from tasks.statuses import TERMINAL, NotificationStatus
 
 IN_DELIVERY = [NotificationStatus.PENDING, NotificationStatus.CLAIMED, NotificationStatus.DISPATCHED]
@@ -151,6 +153,29 @@ def worker_is_busy() -> bool:
     return (Task.objects.exclude(status__in=TERMINAL).exists()
             or Task.objects.filter(notification_status__in=IN_DELIVERY).exists()
             or Run.objects.filter(status__in=[Run.Status.PENDING, Run.Status.RUNNING]).exists())
+
+
+TASK_FIELDS = ("status", "waiting_reason", "current_step", "fencing_token", "lease_owner", "lease_expires_at",
+               "next_run_at", "attempts", "cancel_requested_at", "remote_poll_error", "remote_cancel_attempts",
+               "remote_cancel_error", "notification_status", "updated_at")
+
+
+def where_tasks_stand() -> str:
+    """Each unfinished task (or one whose news is still on its way), its last events and its calls, and the
+    kicks waiting in the broker: what a failed test's report shows."""
+    lines = [f"now {timezone.now().isoformat()}"]
+    stuck = Task.objects.exclude(status__in=TERMINAL) | Task.objects.filter(notification_status__in=IN_DELIVERY)
+    for task in stuck.order_by("pk"):
+        lines.append(f"task {task.pk} {task.name!r}: " + ", ".join(f"{f}={getattr(task, f)!s}" for f in TASK_FIELDS))
+        events = TaskEvent.objects.filter(task=task).order_by("-seq")[:12]
+        lines.append("  events: " + ", ".join(f"{e.seq}:{e.kind}@{e.at:%H:%M:%S.%f}" for e in reversed(events)))
+        for op in Operation.objects.filter(task=task).order_by("-pk")[:8]:
+            lines.append(f"  call {op.key} {op.name} {op.status} not_before={op.not_before} started={op.started_at} "
+                         f"finished={op.finished_at} lease={op.lease_owner}/{op.lease_expires_at} {op.error_class} "
+                         f"{op.error_message[:200]!r}")
+    for row in OrmQ.objects.order_by("lock")[:20]:
+        lines.append(f"kick {row.key} lock={row.lock} {row.func()}{row.task.get('args')}")
+    return "\n".join(lines)
 
 
 def stop_everything_running(timeout: float = 20) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from django.conf import global_settings
 
-from tests.e2e.chat_page import stop_everything_running
+from tests.e2e.chat_page import stop_everything_running, where_tasks_stand
 from tests.fakes.mcp_task_server import McpTaskServer, write_servers_file
 from tests.processes import ROOT, Process, child_env, daphne
 
@@ -20,6 +20,19 @@ from tests.processes import ROOT, Process, child_env, daphne
 os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = "true"
 
 SCREENSHOTS = ROOT / "test-results" / "screenshots"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed e2e test's report says where each unfinished task stood: a flake that shows only in CI is
+    then read from its log, not guessed at. Read before teardown cancels what the test left running."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        try:
+            report.sections.append(("where the unfinished tasks stood", where_tasks_stand()))
+        except Exception as exc:  # noqa: BLE001 - the report must not hide the failure it reports
+            report.sections.append(("where the unfinished tasks stood", f"could not read them: {exc!r}"))
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +56,14 @@ def browser_context_args(browser_context_args: dict[str, Any]) -> dict[str, Any]
 def _real_password_hashers(settings) -> None:
     """Hash passwords the way the daphne child verifies them (the shared conftest picks a fast test hasher)."""
     settings.PASSWORD_HASHERS = global_settings.PASSWORD_HASHERS
+
+
+@pytest.fixture(autouse=True)
+def _no_channel_layer_here(settings) -> None:
+    """This process serves no stream (daphne does, with a layer of its own), so what the tests commit here
+    (their set-up, teardown's cancels) has nobody here to wake; and Playwright's event loop in this thread
+    would fail every synchronous send, filling a failed test's report with tracebacks."""
+    settings.CHANNEL_LAYERS = {}
 
 
 @pytest.fixture

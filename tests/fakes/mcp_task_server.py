@@ -391,7 +391,12 @@ class FakeTasksExtension(Extension):
             _malformed(str(args.get("kind")))  # an unknown kind is refused now, not at the first poll
         if params.name == "handle_job" and not isinstance(args.get("task_id"), str):
             raise MCPError(code=INVALID_PARAMS, message="handle_job: task_id must be text")
-        return self._create(params.name, args)
+        created = self._create(params.name, args)
+        # `call_delay_ms`: the task exists, its answer is slow, so a test can act while the call is in flight.
+        delay = float(args.get("call_delay_ms", 0)) / 1000
+        if delay > 0:
+            await anyio.sleep(delay)
+        return created
 
     def _create(self, tool: str, args: dict[str, Any], *, seconds: float | None = None) -> HandlerResult:
         now = time.time()

@@ -443,3 +443,28 @@ def test_a_cancel_in_a_tenant_that_may_run_nothing_reaches_the_remote_at_once(ht
     task = follow(task)
     assert task.status == TaskStatus.CANCELLED
     assert client.get_task(http_remote.config, remote_id(task)).status == "cancelled"
+
+
+def test_a_cancel_while_the_tools_call_is_still_out_ends_the_task_at_once_and_stops_the_remote_task_once(
+        http_remote, acme, alice):
+    """Nothing is known of the remote task before the server answers the tools/call: the task ends cancelled at
+    once (told in its thread once), and the remote task the call created is stopped once its answer arrives."""
+    thread = Thread.objects.create(tenant=acme, owner=alice, title="reports")
+    task = submit(acme, alice, "slow_report", thread=thread, topic="t", seconds=60, call_delay_ms=1_500)
+    jobs.advance(task.pk)  # asks for the tools/call
+    gateway = threading.Thread(target=lambda: (operations.run_due(run_for=1), connection.close()))
+    gateway.start()
+    deadline = time.monotonic() + 10
+    while not Operation.objects.filter(task=task, name="tools/call", status=OperationStatus.STARTED).exists():
+        assert time.monotonic() < deadline, "the tools/call never went out"
+        time.sleep(0.01)
+    cancelled = actions.request_cancel(task, user=alice)
+    assert cancelled.status == TaskStatus.CANCELLED, "nothing to tell the server yet: it ends at once"
+    gateway.join(20)
+    task = follow(cancelled)
+    assert http_remote.calls().get("tools/call:slow_report") == 1
+    assert http_remote.calls().get("tasks/cancel") == 1, "the remote task its call created is stopped, once"
+    assert http_remote.calls().get("tasks/get", 0) == 0, "a cancelled task follows nothing"
+    run_queued()
+    told = list(Message.objects.filter(thread=thread, role="assistant").values_list("content", flat=True))
+    assert sum("was cancelled" in m for m in told) == 1, told
