@@ -399,7 +399,8 @@ def _defer(task: Task, token: int, *, reason: str) -> None:
 
 
 def _wait_again(task: Task, token: int) -> bool:
-    """Wait for the last step's calls again; False when they all finished meanwhile.
+    """Wait for the last step's calls again; False when they all finished meanwhile. True also when a stop
+    asked for since the claim ended or paused the task instead.
 
     Checked again under the row lock: a call that finished after the first look found the task
     claimed (not waiting), so it did not make the task due, and a wait now would be forever.
@@ -407,6 +408,11 @@ def _wait_again(task: Task, token: int) -> bool:
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
+        if fresh.cancel_requested_at or fresh.pause_requested_at:
+            # Asked since the claim, which saw the lease held and left the stop to this holder: it goes first,
+            # or the task would wait for its calls (a poll an hour away) before anything acted on it.
+            stop_as_requested(fresh, now=now, token=token)
+            return True
         step = task.current_step - 1
         if not operations.unfinished(task.pk, step):
             return False

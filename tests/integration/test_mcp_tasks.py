@@ -16,7 +16,7 @@ import pytest
 from django.db import connection
 
 from chat.models import Message, Thread
-from tasks import actions, clock, jobs, operations
+from tasks import actions, clock, jobs, leases, operations, runner
 from tasks.mcp import client
 from tasks.models import Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
@@ -468,3 +468,24 @@ def test_a_cancel_while_the_tools_call_is_still_out_ends_the_task_at_once_and_st
     run_queued()
     told = list(Message.objects.filter(thread=thread, role="assistant").values_list("content", flat=True))
     assert sum("was cancelled" in m for m in told) == 1, told
+
+
+def test_a_cancel_asked_between_the_claim_and_the_wait_for_calls_still_out_is_acted_on_at_once(
+        http_remote, acme, alice):
+    """Resumed while its poll (an hour away) is still out, the task is claimed only to wait for it again. A cancel
+    asked in between finds the lease held and leaves the stop to the holder, which must act on it then: else the
+    task would wait for that poll, or the liveness sweep, before its remote task is told to stop."""
+    task = follow(submit(acme, alice, "slow_report", topic="t", seconds=600, poll_ms=3_600_000),
+                  until=lambda t: t.current_step >= 2 and t.waiting_reason == "tool")
+    assert Operation.objects.filter(task=task, name="tasks/get", status=OperationStatus.PENDING).exists()
+    actions.request_pause(task, user=alice)
+    actions.resume(task, user=alice)
+    claimed = leases.claim(task.pk, owner="w1", now=clock.now())
+    assert claimed is not None
+    actions.request_cancel(claimed, user=alice)  # the lease is held: only recorded
+    runner.run_step(claimed, turn=runner.Turn("w1", ends=time.monotonic()))
+    task.refresh_from_db()
+    assert (task.status, task.waiting_reason) == (TaskStatus.RUNNING, "cancel"), "its cancel round is due now"
+    task = follow(task, timeout=20)
+    assert task.status == TaskStatus.CANCELLED
+    assert http_remote.calls().get("tasks/cancel") == 1
