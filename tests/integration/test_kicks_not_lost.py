@@ -6,7 +6,6 @@ tool, whose cancel kick arrived while the recorder of its last poll held the tas
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -66,10 +65,8 @@ def test_a_delivery_kick_that_meets_its_task_locked_for_a_moment_still_delivers(
     task = make_task(acme, alice, status=S.SUCCEEDED, thread=thread, event_version=1,
                      notification_status="pending", next_notification_at=clock.now())
     with row_locked_elsewhere(task):
-        started = time.monotonic()
         delivery = notifications.claim(task.pk, owner="d1", now=clock.now())
     assert delivery is not None, "the kick was dropped: the thread hears of the task only at the next sweep"
-    assert time.monotonic() - started < 10
     assert Task.objects.get(pk=task.pk).notification_status == "claimed"
 
 
