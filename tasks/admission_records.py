@@ -1,7 +1,7 @@
 """The admission record of each submission (AdmissionRecord), written where its decisions happen and in
 their transactions: arrival (transitions.enqueue_new) or refusal (scheduling.record_rejection), first
-admission (scheduling.admit), first claim (transitions.claim), first slot release and end
-(transitions._move). tasks/replay.py replays them.
+admission (scheduling.admit), first claim (transitions.claim, or on PostgreSQL the one-statement claim of
+tasks/leases.py), first slot release and end (transitions._move). tasks/replay.py replays them.
 
 One row per submission, updated in place: a task re-admitted after a pause, an answer or an operator's
 requeue keeps its first admission and first release (the replay replays first admissions only); its

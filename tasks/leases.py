@@ -18,7 +18,7 @@ from django.db.models.sql import Query
 
 from tasks import prepared, transitions
 from tasks.errors import LeaseLost
-from tasks.models import Checkpoint, Operation, Task
+from tasks.models import AdmissionRecord, Checkpoint, Operation, Task
 from tasks.statuses import CLAIMABLE, TaskStatus
 
 
@@ -76,9 +76,9 @@ class Resume:
 
 def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> Task | None:
     """PostgreSQL: the task due longest (or task `task_id`, if due), claimed in one prepared statement
-    when it is between two steps, with its Resume; the full claim otherwise."""
+    when nobody held it and it waits for no retry, with its Resume; the full claim otherwise."""
     params = [now, now, *([] if task_id is None else [task_id]),
-              now, owner, now + timedelta(seconds=lease_seconds()), now]
+              now, owner, now + timedelta(seconds=lease_seconds()), now, now]
     row = prepared.fetchone(_claim_next_sql(one=task_id is not None), params)
     if row is None:
         return None
@@ -87,19 +87,20 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     if claimed:
         picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked)
         return picked
-    # A retry, a takeover or a first claim: transitions.claim writes its event or admission record.
+    # A retry or a takeover: transitions.claim writes its event.
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now, wait=task_id is not None)
 
 
 # leases.due() in one statement, oldest first (or only the task asked for): the task due longest is locked
 # (skipping rows another transaction holds: any other due task will do), or the task asked for (waiting for it);
-# when it is between two steps (no takeover, no retry, not its first claim) it is claimed as transitions.claim
-# would (no event, no admission record then) and returned claimed, beside what its step reads first (its
-# latest checkpoint, and whether the step before asked for calls); otherwise it is returned as it is, for the
-# full claim. The task's columns are named, in the model's order (tasks/prepared.py says why not `*`).
+# when nobody held it and it waits for no retry (no takeover, no retry: no event to write) it is claimed as
+# transitions.claim would, its first claim also recording in its admission record when it started, and returned
+# claimed, beside what its step reads first (its latest checkpoint, and whether the step before asked for
+# calls); otherwise it is returned as it is, for the full claim. The task's columns are named, in the model's
+# order (tasks/prepared.py says why not `*`).
 _CLAIM_NEXT = """
 WITH picked AS (
-    SELECT id, (status = {running} AND lease_owner = '' AND (current_step > 0 OR attempts > 0)) AS plain
+    SELECT id, (status = {running} AND lease_owner = '') AS plain
     FROM {task}
     WHERE {due} {only}
     ORDER BY next_run_at, id LIMIT 1 FOR UPDATE {skip_locked}
@@ -109,6 +110,10 @@ WITH picked AS (
         attempts = t.attempts + 1, waiting_reason = ''
     FROM picked WHERE t.id = picked.id AND picked.plain
     RETURNING {columns_of_t}
+), started AS (
+    -- admission_records.started: the first claim of its first step (attempts was 0 before this claim)
+    UPDATE {admission} a SET started_at = %s FROM taken
+    WHERE a.task_id = taken.id AND a.started_at IS NULL AND taken.current_step = 0 AND taken.attempts = 1
 )
 SELECT {columns_of_taken}, true, {columns_of_cp},
     EXISTS (SELECT 1 FROM {operation} o WHERE o.task_id = taken.id AND o.step = taken.current_step - 1)
@@ -132,6 +137,7 @@ def _claim_next_sql(*, one: bool) -> str:
         return ", ".join(f"{alias}.{connection.ops.quote_name(field.column)}" for field in fields)
 
     return _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
+                              admission=AdmissionRecord._meta.db_table,
                               operation=Operation._meta.db_table, running=f"'{TaskStatus.RUNNING.value}'",
                               due=DUE_WHERE, only="AND id = %s" if one else "",
                               skip_locked="" if one else "SKIP LOCKED", columns_of_t=columns("t"),

@@ -166,7 +166,8 @@ def admit(task: Task, *, now: datetime) -> bool:
 def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> bool:
     """running/retry_wait -> running with a new lease and the next fencing token."""
     taken_over = bool(task.lease_owner)
-    # Its first step's first claim: the admission record's started_at (a cheap test, so later steps write nothing).
+    # Its first step's first claim: the admission record's started_at (a cheap test, so later steps write nothing;
+    # leases' one-statement claim records it the same way).
     first = task.current_step == 0 and task.attempts == 0 and not taken_over and task.status == S.RUNNING
     events = []
     if taken_over:

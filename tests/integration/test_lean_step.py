@@ -17,7 +17,7 @@ from tasks import actions, clock, jobs, kicks, leases, operations, runner
 from tasks.context import StepContext
 from tasks.drivers import Continue, OpRequest, get_driver
 from tasks.errors import LeaseLost
-from tasks.models import Checkpoint, Operation, Task
+from tasks.models import AdmissionRecord, Checkpoint, Operation, Task
 from tasks.statuses import TaskStatus
 from tests.factories import submit_sleep
 
@@ -52,7 +52,9 @@ def test_a_step_that_continues_in_place_sends_at_most_six_statements(acme, alice
     assert task.status == TaskStatus.SUCCEEDED
 
     transactions = steps_of(queries.captured_queries)
-    _claim, _first, *in_place, _last = transactions
+    if connection.vendor != "postgresql":
+        transactions = transactions[1:]  # the claim, a transaction of its own (on PostgreSQL, one statement)
+    _first, *in_place, _last = transactions
     assert len(in_place) == 3, transactions
     for statements in in_place:
         assert len(statements) <= IN_PLACE_STATEMENTS, statements
@@ -200,6 +202,36 @@ def test_the_claimed_task_is_its_row_as_a_read_of_it_would_be(acme, alice, setti
     assert [getattr(brought, f.attname) for f in Checkpoint._meta.concrete_fields] == [
         getattr(latest, f.attname) for f in Checkpoint._meta.concrete_fields]
     assert claimed.resume.calls_asked is False
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+@pytest.mark.parametrize("by", ["kick", "next"], ids=["claimed by its kick", "claimed as the task due longest"])
+def test_a_tasks_first_claim_is_one_statement_that_records_when_it_started(acme, alice, by):
+    task = submit_sleep(acme, alice, steps=2)
+    events_before = list(task.events.values_list("seq", "kind"))
+    now = clock.now()
+
+    with CaptureQueriesContext(connection) as queries:
+        claimed = (leases.claim(task.pk, owner="worker-a", now=now) if by == "kick"
+                   else leases.claim_next(owner="worker-a", now=now))
+
+    assert claimed is not None and claimed.pk == task.pk
+    statements = [query["sql"] for query in queries.captured_queries]
+    assert len(statements) == 1, f"a first claim is one statement: {statements}"
+    assert claimed.resume == leases.Resume(checkpoint=None, calls_asked=False)
+    read = Task.objects.get(pk=task.pk)
+    assert (read.lease_owner, read.fencing_token, read.attempts) == ("worker-a", task.fencing_token + 1, 1)
+    fields = [field.attname for field in Task._meta.concrete_fields]
+    assert [getattr(claimed, name) for name in fields] == [getattr(read, name) for name in fields]
+    assert AdmissionRecord.objects.get(task_id=task.pk).started_at == now
+    assert list(task.events.values_list("seq", "kind")) == events_before, "a first claim is no event"
+
+    # Released before its step ran (its worker died, say, and the lease was given up): the next claim is not
+    # its first, and its start stays the first claim's.
+    Task.objects.filter(pk=task.pk).update(lease_owner="", lease_expires_at=None)
+    later = now + timedelta(seconds=1)
+    assert leases.claim(task.pk, owner="worker-b", now=later) is not None
+    assert AdmissionRecord.objects.get(task_id=task.pk).started_at == now
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
