@@ -213,14 +213,14 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
     events = [*ctx.events, *outcome.events]
     with transaction.atomic():
         if _plain(outcome):
-            # The common step, checkpoint and next step due, in one fenced UPDATE with no row read first:
+            # The common step, checkpoint and next step due, in one fenced statement with no row read first:
             # it loses (and writes nothing) when the lease moved on or a stop was asked for since the
             # task was read, and the step is then committed below, under the row lock.
+            checkpoint = Checkpoint(task=task, step=task.current_step + 1, fencing_token=token, state=outcome.state,
+                                    schema_version=driver.schema_version, at=now)
             won = transitions.commit_step(task, token=token, now=now, keep_lease=keep_lease, events=events,
-                                          guard=transitions.NO_STOP_REQUESTED)
+                                          guard=transitions.NO_STOP_REQUESTED, checkpoint=checkpoint)
             if won:
-                Checkpoint.objects.create(task_id=task.pk, step=task.current_step, fencing_token=token,
-                                          state=outcome.state, schema_version=driver.schema_version, at=now)
                 if not keep_lease:
                     if hand_on is not None:
                         hand_on(task.pk)

@@ -13,13 +13,13 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import F, Q, QuerySet
-from django.db.models.sql.subqueries import UpdateQuery
+from django.db.models import F, Model, Q, QuerySet
+from django.db.models.sql.subqueries import InsertQuery, UpdateQuery
 
 from tasks import admission_records, sealed
 from tasks.errors import InvalidTransition
 from tasks.events import NewEvent, append, store
-from tasks.models import Operation, Task
+from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
 
 TOLD = frozenset({TaskStatus.WAITING_INPUT, TaskStatus.PARTIAL, TaskStatus.SUCCEEDED, TaskStatus.FAILED,
@@ -50,7 +50,9 @@ def _move(
     guard: Q | None = None,
     fields: dict[str, Any] | None = None,
     events: list[NewEvent],
+    with_row: Model | None = None,
 ) -> bool:
+    """`with_row`: a new row (a step's checkpoint) written by the transition's own UPDATE, only if it wins."""
     if task.status not in allowed_from:
         raise InvalidTransition(task.public_id, task.status, to)
     assert connection.in_atomic_block, "a transition and its event commit together"
@@ -65,7 +67,7 @@ def _move(
         # A request to give back a slot it no longer holds (the row's, which `task` may not show). A task
         # that waits for calls or a retry keeps it, and gives the slot back when it next runs.
         values.setdefault("yield_requested_at", None)
-    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), len(events))
+    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), len(events), with_row=with_row)
     if last_seq is None:
         return False
     was = task.status
@@ -87,20 +89,47 @@ def _move(
     return True
 
 
-def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: int) -> int | None:
+def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: int, *,
+                           with_row: Model | None = None) -> int | None:
     """The transition's UPDATE, which also reserves `count` event seqs on the row it changes:
     one statement where an UPDATE and then a seq bump were two. Returns the last seq reserved
-    (the row's seq if `count` is 0), or None when the guard matched no row.
+    (the row's seq if `count` is 0), or None when the guard matched no row. `with_row` is inserted
+    when the UPDATE wins, on PostgreSQL by the same statement (a step's checkpoint: one round trip fewer).
 
     Django's update() cannot return a column, so the same UPDATE is compiled by Django and
     given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it)."""
     query = rows.query.chain(UpdateQuery)
     query.add_update_values({**values, "last_event_seq": F("last_event_seq") + count})
     sql, params = query.get_compiler(rows.db).as_sql()
+    seq = connection.ops.quote_name("last_event_seq")
+    if with_row is not None and connection.vendor == "postgresql":
+        insert, inserted = _insert_if_moved(with_row)
+        sql, params = f"WITH moved AS ({sql} RETURNING {seq}), saved AS ({insert}) SELECT {seq} FROM moved", [
+            *params, *inserted]
+    else:
+        sql = f"{sql} RETURNING {seq}"
     with connection.cursor() as cursor:
-        cursor.execute(f"{sql} RETURNING {connection.ops.quote_name('last_event_seq')}", params)
+        cursor.execute(sql, params)
         row = cursor.fetchone()
+    if row is not None and with_row is not None and connection.vendor != "postgresql":
+        with_row.save(force_insert=True)  # (SQLite's WITH cannot hold an INSERT)
     return None if row is None else row[0]
+
+
+def _insert_if_moved(row: Model) -> tuple[str, list[Any]]:
+    """`row`'s INSERT as Django compiles it (its values prepared and sealed as save() would), made an INSERT ...
+    SELECT from the `moved` rows of the statement it joins, so it writes only when the UPDATE won. Its values
+    are typed by casts: in a SELECT list, PostgreSQL would read a quoted literal as text."""
+    model = type(row)
+    fields = [field for field in model._meta.local_concrete_fields if not field.primary_key]
+    query = InsertQuery(model)
+    query.insert_values(fields, [row])
+    [(_, params)] = query.get_compiler(connection=connection).as_sql()
+    assert len(params) == len(fields), "one parameter a column (no expression among the values)"
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
+    values = ", ".join(f"CAST(%s AS {field.db_type(connection)})" for field in fields)
+    table = connection.ops.quote_name(model._meta.db_table)
+    return f"INSERT INTO {table} ({columns}) SELECT {values} FROM moved", list(params)
 
 
 def _close_pending_operations(task: Task, *, now: datetime) -> None:
@@ -198,12 +227,13 @@ def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> boo
 def commit_step(
     task: Task, *, token: int, now: datetime, keep_lease: bool, events: list[NewEvent], result: Any = None,
     due_at: datetime | None = None, tracking_degraded: bool | None = None, step_done: bool = True,
-    guard: Q | None = None,
+    guard: Q | None = None, checkpoint: Checkpoint | None = None,
 ) -> bool:
     """running -> running: a step's checkpoint is committed; the next step is due now (or at `due_at`,
     a remote job's next poll). `step_done=False`: a poll that changed nothing, so no checkpoint was
     written and no step is counted. `tracking_degraded` sets or clears the remote-tracking flag.
-    `guard`: a further condition on the row (NO_STOP_REQUESTED)."""
+    `guard`: a further condition on the row (NO_STOP_REQUESTED). `checkpoint`: the step's, written by
+    the same statement as the move (when it wins)."""
     fields: dict[str, Any] = {
         "current_step": task.current_step + (1 if step_done else 0),
         "attempts": 0,
@@ -216,18 +246,18 @@ def commit_step(
     if result is not None:
         fields.update(result=result, result_version=task.result_version + 1)
     return _stay_running(task, token=token, now=now, fields=fields, events=events,
-                         tracking_degraded=tracking_degraded, guard=guard)
+                         tracking_degraded=tracking_degraded, guard=guard, checkpoint=checkpoint)
 
 
 def _stay_running(task: Task, *, token: int, now: datetime, fields: dict[str, Any], events: list[NewEvent],
-                  tracking_degraded: bool | None, guard: Q | None = None) -> bool:
+                  tracking_degraded: bool | None, guard: Q | None = None, checkpoint: Checkpoint | None = None) -> bool:
     """running -> running with `fields`, setting or clearing the remote-tracking flag; a newly degraded
     tracking is news for the task's thread."""
     newly_degraded = bool(tracking_degraded) and not task.tracking_degraded
     if tracking_degraded is not None:
         fields["tracking_degraded"] = tracking_degraded
     won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
-                guard=guard)
+                guard=guard, with_row=checkpoint)
     if won and newly_degraded:
         from tasks import notifications
 

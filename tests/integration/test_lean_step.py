@@ -22,7 +22,9 @@ from tasks.statuses import TaskStatus
 from tests.factories import submit_sleep
 
 pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, not savepoints
-IN_PLACE_STATEMENTS = 6  # the waiting probe, BEGIN, the fenced UPDATE, the events, the checkpoint, COMMIT
+# The waiting probe, BEGIN, the fenced UPDATE (on PostgreSQL, the same statement writes the checkpoint), the
+# events, COMMIT; SQLite writes the checkpoint with a statement of its own.
+IN_PLACE_STATEMENTS = {"postgresql": 5, "sqlite": 6}
 # A research step after a kick: the claim (with the checkpoint), the last step's calls; BEGIN, the fenced UPDATE,
 # the events, the calls, their pools' pauses, the gateway kick, the checkpoint, COMMIT; the turn's closing look.
 RESUMED_WITH_CALLS_STATEMENTS = 11
@@ -42,7 +44,7 @@ def steps_of(queries: list[dict]) -> list[list[str]]:
     return steps
 
 
-def test_a_step_that_continues_in_place_sends_at_most_six_statements(acme, alice, settings):
+def test_a_step_that_continues_in_place_sends_five_statements_and_one_write_of_its_row(acme, alice, settings):
     settings.LONGHAUL_STEP_SLICE_MS = 60_000
     task = submit_sleep(acme, alice, steps=5)
     OrmQ.objects.all().delete()  # nothing waiting: the worker keeps the lease between steps
@@ -57,13 +59,15 @@ def test_a_step_that_continues_in_place_sends_at_most_six_statements(acme, alice
     _first, *in_place, _last = transactions
     assert len(in_place) == 3, transactions
     for statements in in_place:
-        assert len(statements) <= IN_PLACE_STATEMENTS, statements
+        assert len(statements) <= IN_PLACE_STATEMENTS[connection.vendor], statements
         # (The probe asks whether other tasks are due: it reads no row this task's commit wrote.)
         reads = [sql for sql in statements
                  if sql.startswith("SELECT") and "tasks_" in sql and not sql.startswith("SELECT EXISTS(")]
         assert not reads, f"a step run in place read again what its last commit wrote: {reads}"
-        updates = [sql for sql in statements if sql.startswith("UPDATE")]
+        updates = [sql for sql in statements if sql.startswith(("UPDATE", "WITH moved AS (UPDATE"))]
         assert len(updates) == 1, f"the fence, the step and the event seqs are one UPDATE: {updates}"
+        if connection.vendor == "postgresql":
+            assert 'INSERT INTO "tasks_checkpoint"' in updates[0], f"the checkpoint is the UPDATE's: {statements}"
     assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1, 2, 3, 4, 5]
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
 
@@ -141,6 +145,28 @@ def test_a_fenced_out_worker_writes_nothing_without_reading_the_row_first(acme, 
     assert not Checkpoint.objects.filter(task=task).exists()
     assert not Operation.objects.filter(task=task).exists()
     assert Task.objects.get(pk=task.pk).last_event_seq == before
+
+
+def test_the_checkpoint_the_fenced_update_writes_is_sealed_and_reads_back_as_written(acme, alice, settings):
+    settings.LONGHAUL_ENCRYPT_AT_REST = True
+    task = submit_sleep(acme, alice, steps=3)
+    held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert held is not None
+    state = {"done": 1, "of": 3, "note": "a-marker-only-this-checkpoint-holds", "at": [1.5, None, True]}
+
+    ctx = StepContext(held, token=held.fencing_token)
+    kept = runner._commit(held, held.fencing_token, get_driver("sleep"), Continue(state), ctx, keep_lease=True,
+                          state_before={})
+
+    assert kept is not None
+    written = Checkpoint.objects.get(task=task)
+    assert (written.step, written.fencing_token, written.schema_version, written.state) == (
+        1, held.fencing_token, get_driver("sleep").schema_version, state)
+    assert written.at == Task.objects.get(pk=task.pk).last_progress_at
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT state FROM {Checkpoint._meta.db_table} WHERE id = %s", [written.pk])
+        (stored,) = cursor.fetchone()
+    assert "a-marker-only-this-checkpoint-holds" not in str(stored), "the checkpoint was written in the clear"
 
 
 def submit_research(tenant, user) -> Task:
