@@ -216,10 +216,9 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             # The common step, checkpoint and next step due, in one fenced statement with no row read first:
             # it loses (and writes nothing) when the lease moved on or a stop was asked for since the
             # task was read, and the step is then committed below, under the row lock.
-            checkpoint = Checkpoint(task=task, step=task.current_step + 1, fencing_token=token, state=outcome.state,
-                                    schema_version=driver.schema_version, at=now)
             won = transitions.commit_step(task, token=token, now=now, keep_lease=keep_lease, events=events,
-                                          guard=transitions.NO_STOP_REQUESTED, checkpoint=checkpoint)
+                                          guard=transitions.NO_STOP_REQUESTED,
+                                          checkpoint=_checkpoint(task, token, driver, outcome.state, now=now))
             if won:
                 if not keep_lease:
                     if hand_on is not None:
@@ -227,11 +226,10 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                     return None
                 return task
         elif _asks_for_calls(outcome) and not _quiet(outcome, state_before, events, task.current_step):
-            # A step that asks for calls (research, MCP): the same fenced UPDATE with no row read first, then
-            # its calls and checkpoint; the locked commit below when it loses.
-            if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED):
-                Checkpoint.objects.create(task_id=task.pk, step=task.current_step, fencing_token=token,
-                                          state=outcome.state, schema_version=driver.schema_version, at=now)
+            # A step that asks for calls (research, MCP): the same fenced statement with no row read first (the
+            # checkpoint its own), then its calls; the locked commit below when it loses.
+            if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED,
+                                  checkpoint=_checkpoint(task, token, driver, outcome.state, now=now)):
                 return None
         fresh = leases.lock_fenced(task.pk, token)
         if fresh.cancel_requested_at and remote_cancelling(driver) is not None:
@@ -245,8 +243,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             return None
         quiet = _quiet(outcome, state_before, events, fresh.current_step)
         if not quiet:
-            Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
-                                      state=outcome.state, schema_version=driver.schema_version, at=now)
+            _checkpoint(fresh, token, driver, outcome.state, now=now).save(force_insert=True)
         if isinstance(outcome, Finish):
             # A late cancel loses to a finished result: the work is done and recorded.
             must_win(transitions.succeed(fresh, token=token, now=now, result=outcome.result, events=events))
@@ -282,6 +279,12 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
         return fresh
 
 
+def _checkpoint(task: Task, token: int, driver: Driver, state: dict, *, now: datetime) -> Checkpoint:
+    """The checkpoint of the step `task` is at, unsaved: the commit that moves the task on writes it."""
+    return Checkpoint(task=task, step=task.current_step + 1, fencing_token=token, state=state,
+                      schema_version=driver.schema_version, at=now)
+
+
 def _plain(outcome: Outcome) -> bool:
     """A step that only moves the task on: no calls to wait for, no remote facts, no end, no question."""
     return isinstance(outcome, Continue) and not outcome.requests and outcome.remote is None
@@ -300,19 +303,20 @@ def _quiet(outcome: Outcome, state_before: dict | None, events: list[NewEvent], 
 
 
 def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[NewEvent], *, now: datetime,
-                       step_done: bool = True, guard: Q | None = None) -> bool:
+                       step_done: bool = True, guard: Q | None = None, checkpoint: Checkpoint | None = None) -> bool:
     """Inside the fenced commit: store the calls the step asked for and wait for them, holding no worker;
     False (nothing written) when the fenced UPDATE lost. `step_done=False`: the step counts for nothing,
-    and its calls join those of the step before. `guard`: as transitions.commit_step's."""
+    and its calls join those of the step before. `guard`, `checkpoint`: as transitions.commit_step's."""
     step = task.current_step if step_done else task.current_step - 1  # before the transition moves it on
     if any(r.kind == "mcp" for r in outcome.requests):
         # The remote tool is working: the task says running while its calls (and polls) are out.
         won = transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
-                                          tracking_degraded=outcome.tracking_degraded, guard=guard)
+                                          tracking_degraded=outcome.tracking_degraded, guard=guard,
+                                          checkpoint=checkpoint)
     else:
         tool = any(r.kind == "tool" for r in outcome.requests)
         won = transitions.wait_for_operations(task, token=token, now=now, tool=tool, events=events,
-                                              step_done=step_done, guard=guard)
+                                              step_done=step_done, guard=guard, checkpoint=checkpoint)
     if not won:
         return False
     due = operations.request(task, token=token, requests=outcome.requests, now=now, step=step, new_step=step_done)
@@ -349,8 +353,7 @@ def _cancel_remotely(task: Task, token: int, driver: RemoteCancelling, state: di
             return None
         events = [*ctx.events, *outcome.events]
         if outcome.state != state or events:
-            Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token,
-                                      state=outcome.state, schema_version=get_driver(task.kind).schema_version, at=now)
+            _checkpoint(fresh, token, get_driver(task.kind), outcome.state, now=now).save(force_insert=True)
         must_win(_wait_for_requests(fresh, token, outcome, events, now=now))
     return None
 
@@ -465,8 +468,7 @@ def _end_for_budget(task: Task, token: int, driver: Driver, reason: str, *, stat
         fresh = leases.lock_fenced(task.pk, token)
         checkpointed = state is not None
         if checkpointed:
-            Checkpoint.objects.create(task_id=task.pk, step=fresh.current_step + 1, fencing_token=token, state=state,
-                                      schema_version=driver.schema_version, at=now)
+            _checkpoint(fresh, token, driver, state, now=now).save(force_insert=True)
         else:
             checkpoint = latest_checkpoint(fresh)
             state = checkpoint.state if checkpoint else None

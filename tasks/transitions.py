@@ -285,10 +285,11 @@ def yield_slot(task: Task, *, token: int | None, now: datetime) -> bool:
 
 def wait_for_operations(
     task: Task, *, token: int, now: datetime, tool: bool, events: list[NewEvent], step_done: bool = True,
-    guard: Q | None = None,
+    guard: Q | None = None, checkpoint: Checkpoint | None = None,
 ) -> bool:
     """running -> waiting_tool (tool calls) or running waiting for the model: no worker, no lease,
-    not due until a gateway job has finished every requested operation. `guard`: as commit_step's."""
+    not due until a gateway job has finished every requested operation. `guard`, `checkpoint`: as
+    commit_step's."""
     fields: dict[str, Any] = {**_released(), "next_run_at": None, "waiting_reason": "tool" if tool else "model",
                               "attempts": 0}
     if step_done:
@@ -297,23 +298,24 @@ def wait_for_operations(
     if tool:
         events = [*events, NewEvent("waiting_tool", {})]
     return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
-                 guard=guard)
+                 guard=guard, with_row=checkpoint)
 
 
 def wait_for_remote(
     task: Task, *, token: int, now: datetime, events: list[NewEvent], step_done: bool = True,
-    tracking_degraded: bool | None = None, guard: Q | None = None,
+    tracking_degraded: bool | None = None, guard: Q | None = None, checkpoint: Checkpoint | None = None,
 ) -> bool:
     """running -> running with waiting_reason "tool", no worker, no lease, not due: a remote MCP job
     works while its calls (tools/call, a poll at the server's interval, tasks/update, tasks/cancel)
     are out; the gateway's last result makes it due. `step_done=False`: a poll that learned nothing
-    counts no step (it still proves the remote job is followed). `tracking_degraded` sets or clears the flag."""
+    counts no step (it still proves the remote job is followed). `tracking_degraded` sets or clears the flag.
+    `guard`, `checkpoint`: as commit_step's."""
     fields: dict[str, Any] = {**_released(), "next_run_at": None, "waiting_reason": "tool", "attempts": 0,
                               "last_progress_at": now, "stalled_at": None}
     if step_done:
         fields["current_step"] = task.current_step + 1
     return _stay_running(task, token=token, now=now, fields=fields, events=events,
-                         tracking_degraded=tracking_degraded, guard=guard)
+                         tracking_degraded=tracking_degraded, guard=guard, checkpoint=checkpoint)
 
 
 def wait_input(task: Task, *, token: int, now: datetime, question: str, events: list[NewEvent],

@@ -25,9 +25,10 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, n
 # The waiting probe, BEGIN, the fenced UPDATE (on PostgreSQL, the same statement writes the checkpoint), the
 # events, COMMIT; SQLite writes the checkpoint with a statement of its own.
 IN_PLACE_STATEMENTS = {"postgresql": 5, "sqlite": 6}
-# A research step after a kick: the claim (with the checkpoint), the last step's calls; BEGIN, the fenced UPDATE,
-# the events, the calls, their pools' pauses, the gateway kick, the checkpoint, COMMIT; the turn's closing look.
-RESUMED_WITH_CALLS_STATEMENTS = 11
+# A research step after a kick: the claim (with the checkpoint), the last step's calls; BEGIN, the fenced UPDATE
+# (which writes the checkpoint too), the events, the calls, their pools' pauses, the gateway kick, COMMIT; the
+# turn's closing look.
+RESUMED_WITH_CALLS_STATEMENTS = 10
 MOVES_ON = Continue({"done": 1, "of": 3})
 ASKS_FOR_CALLS = Continue({"done": 1, "of": 3}, requests=[OpRequest(kind="tool", name="search",
                                                                      args={"query": "asyncio cancellation"})])
@@ -320,6 +321,8 @@ def test_the_claim_goes_on_after_a_migration_changes_a_column_it_returns(acme, a
         connection.close()  # its statements were planned for varchar(250)
 
 
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="DUE_WHERE is sent on PostgreSQL only (SQLite "
+                    "compares the raw times as text)")
 def test_the_prepared_statements_due_condition_finds_the_rows_the_orms_does(acme, alice):
     """leases.DUE_WHERE (the claim's and the probe's SQL) is leases.due() written out a second time; every
     status, due time and lease a row can have, the two agree row for row (on SQLite, the ORM's form is the one)."""
