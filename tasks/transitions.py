@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import F, Model, Q, QuerySet
+from django.db.models import F, Q, QuerySet
 from django.db.models.sql.subqueries import InsertQuery, UpdateQuery
 
 from tasks import admission_records, sealed
@@ -50,9 +50,9 @@ def _move(
     guard: Q | None = None,
     fields: dict[str, Any] | None = None,
     events: list[NewEvent],
-    with_row: Model | None = None,
+    with_row: Checkpoint | None = None,
 ) -> bool:
-    """`with_row`: a new row (a step's checkpoint) written by the transition's own UPDATE, only if it wins."""
+    """`with_row`: the step's checkpoint, written by the transition's own UPDATE, only if it wins."""
     if task.status not in allowed_from:
         raise InvalidTransition(task.public_id, task.status, to)
     assert connection.in_atomic_block, "a transition and its event commit together"
@@ -90,7 +90,7 @@ def _move(
 
 
 def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: int, *,
-                           with_row: Model | None = None) -> int | None:
+                           with_row: Checkpoint | None = None) -> int | None:
     """The transition's UPDATE, which also reserves `count` event seqs on the row it changes:
     one statement where an UPDATE and then a seq bump were two. Returns the last seq reserved
     (the row's seq if `count` is 0), or None when the guard matched no row. `with_row` is inserted
@@ -116,10 +116,12 @@ def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: 
     return None if row is None else row[0]
 
 
-def _insert_if_moved(row: Model) -> tuple[str, list[Any]]:
+def _insert_if_moved(row: Checkpoint) -> tuple[str, list[Any]]:
     """`row`'s INSERT as Django compiles it (its values prepared and sealed as save() would), made an INSERT ...
     SELECT from the `moved` rows of the statement it joins, so it writes only when the UPDATE won. Its values
-    are typed by casts: in a SELECT list, PostgreSQL would read a quoted literal as text."""
+    are typed by casts: in a SELECT list, PostgreSQL would read a quoted literal as text. Checkpoint's alone: its
+    columns are numbers, a time and JSON; a CAST to varchar(n) would cut a longer text where an INSERT refuses it,
+    and a column with a database default or a parent model's would need more than this."""
     model = type(row)
     fields = [field for field in model._meta.local_concrete_fields if not field.primary_key]
     query = InsertQuery(model)
