@@ -50,9 +50,9 @@ def _move(
     guard: Q | None = None,
     fields: dict[str, Any] | None = None,
     events: list[NewEvent],
-    with_row: Checkpoint | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> bool:
-    """`with_row`: the step's checkpoint, written by the transition's own UPDATE, only if it wins."""
+    """`checkpoint`: the step's, written by the transition's own UPDATE, only if it wins."""
     if task.status not in allowed_from:
         raise InvalidTransition(task.public_id, task.status, to)
     assert connection.in_atomic_block, "a transition and its event commit together"
@@ -67,7 +67,8 @@ def _move(
         # A request to give back a slot it no longer holds (the row's, which `task` may not show). A task
         # that waits for calls or a retry keeps it, and gives the slot back when it next runs.
         values.setdefault("yield_requested_at", None)
-    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), len(events), with_row=with_row)
+    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), len(events),
+                                      checkpoint=checkpoint)
     if last_seq is None:
         return False
     was = task.status
@@ -90,11 +91,11 @@ def _move(
 
 
 def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: int, *,
-                           with_row: Checkpoint | None = None) -> int | None:
+                           checkpoint: Checkpoint | None = None) -> int | None:
     """The transition's UPDATE, which also reserves `count` event seqs on the row it changes:
     one statement where an UPDATE and then a seq bump were two. Returns the last seq reserved
-    (the row's seq if `count` is 0), or None when the guard matched no row. `with_row` is inserted
-    when the UPDATE wins, on PostgreSQL by the same statement (a step's checkpoint: one round trip fewer).
+    (the row's seq if `count` is 0), or None when the guard matched no row. `checkpoint` is inserted
+    when the UPDATE wins, on PostgreSQL by the same statement (one round trip fewer).
 
     Django's update() cannot return a column, so the same UPDATE is compiled by Django and
     given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it)."""
@@ -102,8 +103,9 @@ def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: 
     query.add_update_values({**values, "last_event_seq": F("last_event_seq") + count})
     sql, params = query.get_compiler(rows.db).as_sql()
     seq = connection.ops.quote_name("last_event_seq")
-    if with_row is not None and connection.vendor == "postgresql":
-        insert, inserted = _insert_if_moved(with_row)
+    in_one = checkpoint is not None and connection.vendor == "postgresql"  # (SQLite's WITH cannot hold an INSERT)
+    if in_one:
+        insert, inserted = _insert_if_moved(checkpoint)
         sql, params = f"WITH moved AS ({sql} RETURNING {seq}), saved AS ({insert}) SELECT {seq} FROM moved", [
             *params, *inserted]
     else:
@@ -111,9 +113,11 @@ def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: 
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
-    if row is not None and with_row is not None and connection.vendor != "postgresql":
-        with_row.save(force_insert=True)  # (SQLite's WITH cannot hold an INSERT)
-    return None if row is None else row[0]
+    if row is None:
+        return None
+    if checkpoint is not None and not in_one:
+        checkpoint.save(force_insert=True)
+    return row[0]
 
 
 def _insert_if_moved(row: Checkpoint) -> tuple[str, list[Any]]:
@@ -259,7 +263,7 @@ def _stay_running(task: Task, *, token: int, now: datetime, fields: dict[str, An
     if tracking_degraded is not None:
         fields["tracking_degraded"] = tracking_degraded
     won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
-                guard=guard, with_row=checkpoint)
+                guard=guard, checkpoint=checkpoint)
     if won and newly_degraded:
         from tasks import notifications
 
@@ -300,7 +304,7 @@ def wait_for_operations(
     if tool:
         events = [*events, NewEvent("waiting_tool", {})]
     return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
-                 guard=guard, with_row=checkpoint)
+                 guard=guard, checkpoint=checkpoint)
 
 
 def wait_for_remote(

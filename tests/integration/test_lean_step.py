@@ -253,9 +253,9 @@ def test_a_tasks_first_claim_is_one_statement_that_records_when_it_started(acme,
     assert AdmissionRecord.objects.get(task_id=task.pk).started_at == now
     assert list(task.events.values_list("seq", "kind")) == events_before, "a first claim is no event"
 
-    # Released before its step ran (its worker died, say, and the lease was given up): the next claim is not
-    # its first, and its start stays the first claim's.
-    Task.objects.filter(pk=task.pk).update(lease_owner="", lease_expires_at=None)
+    # Released before its step ran, its attempts at 0 again (paused and resumed before its first step): the
+    # next claim looks like a first one, and its start still stays the first claim's.
+    Task.objects.filter(pk=task.pk).update(lease_owner="", lease_expires_at=None, attempts=0)
     later = now + timedelta(seconds=1)
     assert leases.claim(task.pk, owner="worker-b", now=later) is not None
     assert AdmissionRecord.objects.get(task_id=task.pk).started_at == now
