@@ -394,9 +394,18 @@ def remote_fields(facts: RemoteFacts) -> dict[str, Any]:
 
 
 def _defer(task: Task, token: int, *, reason: str) -> None:
+    """Leave the task for a worker that reads its checkpoint. A stop asked for since the claim goes first
+    when it needs nothing from that checkpoint (a pause, a plain cancel): deferred, it would wait a minute
+    unread. A cancel keeping results, or one that stops remote work, reads the checkpoint: it waits for a
+    worker that can."""
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
+        reads_checkpoint = fresh.cancel_requested_at and (
+            fresh.cancel_keep_results or remote_cancelling(driver_or_none(fresh.kind)) is not None)
+        if (fresh.cancel_requested_at or fresh.pause_requested_at) and not reads_checkpoint:
+            stop_as_requested(fresh, now=now, token=token)
+            return None
         must_win(transitions.defer(fresh, token=token, now=now, until=now + DEFER_FOR, reason=reason))
     return None
 

@@ -246,3 +246,65 @@ def test_a_late_cancel_loses_to_a_finished_result(acme, alice):
                    keep_lease=False)
     task.refresh_from_db()
     assert task.status == S.SUCCEEDED
+
+
+def _checkpoint_from_a_newer_worker(task: Task) -> None:
+    """The task's last checkpoint, as a worker with a newer checkpoint schema would have written it."""
+    from tasks.drivers import get_driver
+
+    Checkpoint.objects.filter(task=task).update(schema_version=get_driver(task.kind).schema_version + 1)
+
+
+def test_a_checkpoint_from_a_newer_worker_is_left_for_a_worker_that_reads_it(acme, alice):
+    from tasks.runner import DEFER_FOR
+
+    task = submit_sleep(acme, alice, steps=3, side_effect=True)
+    jobs.advance(task.pk)
+    _checkpoint_from_a_newer_worker(task)
+    with time_machine.travel(clock.now(), tick=False):
+        jobs.advance(task.pk)
+        task.refresh_from_db()
+        assert (task.status, task.lease_owner, task.current_step, task.attempts) == (S.RUNNING, "", 1, 0)
+        assert task.next_run_at == clock.now() + DEFER_FOR
+    assert kinds(task)[-1] == "deferred"
+    assert Checkpoint.objects.filter(task=task).count() == 1, "this worker wrote nothing it cannot read back"
+    assert SleepEffect.objects.filter(task=task).count() == 1, "and ran no step"
+
+
+def _claim_then_ask(task: Task, alice, ask: str) -> Task:
+    """The task claimed by worker-x, then a stop asked for: held, the stop waits for worker-x."""
+    claimed = leases.claim(task.pk, owner="worker-x", now=clock.now())
+    assert claimed is not None
+    if ask == "pause":
+        actions.request_pause(task, user=alice)
+    else:
+        actions.request_cancel(task, user=alice, keep_results=ask == "cancel keeping results")
+    assert Task.objects.get(pk=task.pk).status == S.RUNNING, "held by a worker: the stop waits for it"
+    return claimed
+
+
+@pytest.mark.parametrize(("ask", "ends"), [("cancel", S.CANCELLED), ("pause", S.PAUSED)])
+def test_a_stop_asked_for_while_a_newer_checkpoint_would_defer_the_task_is_acted_on_at_once(acme, alice, ask, ends):
+    from tasks import runner
+
+    task = submit_sleep(acme, alice, steps=3)
+    jobs.advance(task.pk)
+    _checkpoint_from_a_newer_worker(task)
+    runner.run(_claim_then_ask(task, alice, ask), owner="worker-x")
+    task.refresh_from_db()
+    assert task.status == ends, "not deferred for a minute with the stop unread"
+    assert "deferred" not in kinds(task)
+    assert task.lease_owner == ""
+
+
+def test_a_cancel_keeping_results_waits_for_a_worker_that_reads_the_checkpoint_it_keeps(acme, alice):
+    from tasks import runner
+
+    task = submit_sleep(acme, alice, steps=3)
+    jobs.advance(task.pk)
+    _checkpoint_from_a_newer_worker(task)
+    runner.run(_claim_then_ask(task, alice, "cancel keeping results"), owner="worker-x")
+    task.refresh_from_db()
+    assert (task.status, task.lease_owner, task.result) == (S.RUNNING, "", None), "nothing read from that state"
+    assert task.cancel_requested_at is not None and task.cancel_keep_results, "the request stands for the next one"
+    assert kinds(task)[-1] == "deferred"
