@@ -9,6 +9,7 @@ import asyncio
 import json
 import re
 import socket
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -300,6 +301,35 @@ async def test_many_calls_are_in_flight_at_once(fake_openai):
 
     assert len(results) == 25
     assert fake_openai.max_in_flight >= 20
+
+
+class _Lookups:
+    """A finder first on sys.meta_path: notes every module an import had to look for (one not yet loaded,
+    or one that does not exist: a failed import is not remembered, and searches sys.path again each time)."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def find_spec(self, name, path=None, target=None):
+        self.names.append(name)
+        return None
+
+
+async def test_a_warm_call_looks_for_no_module(fake_openai):
+    # httpcore asks `import sniffio` at each lock and shield it makes; without the package installed each
+    # ask is a failed import that stats every directory on sys.path, several times a call.
+    fake_openai.default = Reply(content=PLAN_REPLY)
+    provider, _ = provider_for(fake_openai)
+    lookups = _Lookups()
+    async with httpx.AsyncClient() as client:
+        await provider.run(PLAN, client=client, budget=RetryBudget(0))
+        sys.meta_path.insert(0, lookups)
+        try:
+            await asyncio.gather(*(provider.run(PLAN, client=client, budget=RetryBudget(0)) for _ in range(3)))
+        finally:
+            sys.meta_path.remove(lookups)
+    assert len(fake_openai.requests) == 4
+    assert lookups.names == []
 
 
 def test_get_provider_builds_the_openai_provider_from_settings(settings):
