@@ -460,7 +460,7 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
         report.notes.append(
             f"Why Longhaul's steps/s stay below DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step: the probe; "
-            "the fenced commit (its UPDATE, which also writes the checkpoint, and the events, with BEGIN and COMMIT); "
+            "the fenced commit (BEGIN, its UPDATE, which also writes the checkpoint and the events, and COMMIT); "
             "the one-statement claim, which also brings the checkpoint and whether the step before asked for calls. "
             "Each UPDATE of the "
             f"task row also writes an entry into each of the table's indexes whose condition the row meets ({total} "

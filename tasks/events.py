@@ -47,7 +47,8 @@ def append(task: Task, events: list[NewEvent], *, status: str, at: datetime) -> 
 
     The seq counter lives on the task row and is bumped by one UPDATE, so writers
     in other transactions queue on the row lock and seqs stay gapless. A status change
-    reserves the seqs in its own UPDATE instead and calls `store` (tasks/transitions.py).
+    reserves the seqs in its own UPDATE instead, which on PostgreSQL also writes the events
+    (tasks/transitions.py); `unsaved` and `written` are its halves of `store`.
     """
     if not events:
         return task.last_event_seq
@@ -65,14 +66,25 @@ def store(task: Task, events: list[NewEvent], *, last: int, status: str, at: dat
     """Store events whose seqs, up to `last`, the caller reserved on the locked task row; one INSERT."""
     if not events:
         return task.last_event_seq
+    return written(task, TaskEvent.objects.bulk_create(unsaved(task, events, last=last, status=status, at=at)),
+                   last=last)
+
+
+def unsaved(task: Task, events: list[NewEvent], *, last: int, status: str, at: datetime) -> list[TaskEvent]:
+    """The events' rows, unsaved, numbered up to `last`."""
     first = last - len(events) + 1
-    stored = TaskEvent.objects.bulk_create(
-        TaskEvent(task_id=task.pk, tenant_id=task.tenant_id, seq=first + i, kind=e.kind, status=status, data=e.data, at=at)
-        for i, e in enumerate(events)
-    )
+    return [TaskEvent(task_id=task.pk, tenant_id=task.tenant_id, seq=first + i, kind=e.kind, status=status,
+                      data=e.data, at=at) for i, e in enumerate(events)]
+
+
+def written(task: Task, logged: Sequence[TaskEvent], *, last: int) -> int:
+    """What follows once the task's events up to `last` are written in the caller's transaction: the listeners
+    hear of them in it, and the task's streams are woken after it commits."""
+    if not logged:
+        return task.last_event_seq
     task.last_event_seq = last
     for listener in _listeners:
-        listener(task, stored)
+        listener(task, logged)
     public_id = task.public_id
     also = [group for group_of in _also_woken if (group := group_of(task)) is not None]
     transaction.on_commit(lambda: wake_subscribers(public_id, last, also=also))
@@ -94,7 +106,8 @@ def on_append(listener: Callable[[Task, Sequence[TaskEvent]], None]) -> None:
 
     It runs inside the appending transaction, so what it writes commits or rolls back with the
     events (an outbox row, never a network call). How webhooks hear of tasks without tasks
-    importing them (DESIGN §15).
+    importing them (DESIGN §15). The events are as written (seq, kind, status, data, at), without
+    their ids: a transition's own statement writes them, and does not read them back.
     """
     if listener not in _listeners:
         _listeners.append(listener)

@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connection, connections, transaction
-from django.db.models import BooleanField, Case, Count, F, OuterRef, Q, Subquery, Value, When, Window
+from django.db.models import BooleanField, Case, Count, F, OuterRef, Q, QuerySet, Subquery, Value, When, Window
 from django.db.models.functions import RowNumber
+from django.db.models.sql.subqueries import InsertQuery
 
 from tasks import clock, drain, events, kicks, leases, pools, requested, sealed, transitions
 from tasks.budgets import Budget
@@ -109,23 +110,42 @@ def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime,
     step = task.current_step if step is None else step
     first = 0 if new_step else Operation.objects.filter(
         task_id=task.pk, step=step, key__startswith=f"{task.pk}:{step}:{prefix}").count()
-    stored = Operation.objects.bulk_create(
+    rows = [
         Operation(task_id=task.pk, key=f"{task.pk}:{step}:{prefix}{n}", step=step, n=n, kind=r.kind, name=r.name,
                   pool=pools.key_of(r.kind, r.name, r.args), mode=GATEWAY, args=r.args, args_digest=digest(r.args),
                   status=OperationStatus.PENDING, fencing_token=token, attempts=0, has_side_effects=r.once,
                   not_before=r.not_before, created_at=now)
         for n, r in enumerate(requests, start=first)
-    )
+    ]
+    keys = {op.pool for op in rows}
+    paused = _store_reading_pauses(rows, pools.paused_among(keys, now=now))
     due = max(now, min(r.not_before or now for r in requests))
-    paused = pools.pause_in_force({op.pool for op in stored}, now=now)
     if paused:
         # The task waits on a pool a provider paused: say so now, and run its calls when the pause ends.
         events.append(task, [NewEvent(pools.PAUSED, {"pool": pools.label(key), "kind": pools.kind_of(key),
                                                      "until": until.isoformat(), "reason": "rate_limited"})
                              for key, until in sorted(paused.items())], status=task.status, at=now)
-        if set(paused) == {op.pool for op in stored}:  # a call in a pool that is not paused goes at once
+        if set(paused) == keys:  # a call in a pool that is not paused goes at once
             due = max(due, min(paused.values()))
     return due
+
+
+def _store_reading_pauses(rows: list[Operation], pauses: QuerySet[Pool, tuple[str, datetime]]) -> dict[str, datetime]:
+    """Insert the operations and read their pools' pauses (`pauses`, a query of (key, paused_until)); on
+    PostgreSQL in one statement, the INSERT a data-modifying WITH of the read (it runs whether or not the read
+    looks at it), where they were two round trips. The INSERT is Django's own, its values sealed as
+    bulk_create seals them."""
+    if connection.vendor != "postgresql":
+        Operation.objects.bulk_create(rows)
+        return dict(pauses)
+    fields = [field for field in Operation._meta.concrete_fields if not field.primary_key]
+    query = InsertQuery(Operation)
+    query.insert_values(fields, rows)
+    [(insert, inserted)] = query.get_compiler(connection=connection).as_sql()
+    select, selected = pauses.query.sql_with_params()
+    with connection.cursor() as cursor:
+        cursor.execute(f"WITH stored AS ({insert}) {select}", [*inserted, *selected])
+        return dict(cursor.fetchall())
 
 
 def request_abandon(task: Task, *, now: datetime) -> bool:

@@ -32,6 +32,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import QuerySet
 
 from tasks import events
 from tasks.events import NewEvent
@@ -240,6 +241,6 @@ def tell_waiting(key: str, *, until: datetime, now: datetime, task_ids: Iterable
                 events.append(task, [NewEvent(PAUSED, data)], status=task.status, at=now)
 
 
-def pause_in_force(keys: Iterable[str], *, now: datetime) -> dict[str, datetime]:
-    """Of these pools, those paused now, with when their pause ends."""
-    return dict(Pool.objects.filter(key__in=set(keys), paused_until__gt=now).values_list("key", "paused_until"))
+def paused_among(keys: Iterable[str], *, now: datetime) -> QuerySet[Pool, tuple[str, datetime]]:
+    """Of these pools, those paused now, with when their pause ends: (key, paused_until) rows."""
+    return Pool.objects.filter(key__in=set(keys), paused_until__gt=now).values_list("key", "paused_until")

@@ -13,13 +13,13 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import F, Q, QuerySet
+from django.db.models import CharField, F, Field, Q, QuerySet
 from django.db.models.sql.subqueries import InsertQuery, UpdateQuery
 
 from tasks import admission_records, sealed
 from tasks.errors import InvalidTransition
-from tasks.events import NewEvent, append, store
-from tasks.models import Checkpoint, Operation, Task
+from tasks.events import NewEvent, append, unsaved, written
+from tasks.models import Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
 
 TOLD = frozenset({TaskStatus.WAITING_INPUT, TaskStatus.PARTIAL, TaskStatus.SUCCEEDED, TaskStatus.FAILED,
@@ -67,14 +67,15 @@ def _move(
         # A request to give back a slot it no longer holds (the row's, which `task` may not show). A task
         # that waits for calls or a retry keeps it, and gives the slot back when it next runs.
         values.setdefault("yield_requested_at", None)
-    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), len(events),
-                                      checkpoint=checkpoint)
+    # The events' rows are numbered 1..n here; the UPDATE that reserves their seqs numbers them for good.
+    logged = unsaved(task, events, last=len(events), status=to, at=now)
+    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), logged, checkpoint=checkpoint)
     if last_seq is None:
         return False
     was = task.status
     for name, value in values.items():
         setattr(task, name, value)
-    store(task, events, last=last_seq, status=to, at=now)
+    written(task, logged, last=last_seq)
     if to in TOLD:
         from tasks import notifications  # imported here: notifications builds on leases, which builds on us
 
@@ -90,24 +91,32 @@ def _move(
     return True
 
 
-def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: int, *,
+def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], events: list[TaskEvent], *,
                            checkpoint: Checkpoint | None = None) -> int | None:
-    """The transition's UPDATE, which also reserves `count` event seqs on the row it changes:
-    one statement where an UPDATE and then a seq bump were two. Returns the last seq reserved
-    (the row's seq if `count` is 0), or None when the guard matched no row. `checkpoint` is inserted
-    when the UPDATE wins, on PostgreSQL by the same statement (one round trip fewer).
+    """The transition's UPDATE, which also reserves the seqs of `events` on the row it changes (one
+    statement where an UPDATE and then a seq bump were two) and, when it wins, writes them and `checkpoint`.
+    Returns the last seq reserved (the row's seq if there are no events), or None when the guard matched no
+    row. `events` come numbered from 1 and leave numbered for good.
 
-    Django's update() cannot return a column, so the same UPDATE is compiled by Django and
-    given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it)."""
+    On PostgreSQL the rows are inserted by the same statement, from the UPDATE's RETURNING: the UPDATE, the
+    checkpoint and the events in one round trip. Django's update() cannot return a column, so the same UPDATE is compiled by
+    Django and given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it); SQLite's WITH cannot hold
+    an INSERT, so there the rows are saved after an UPDATE that won."""
+    count = len(events)
+    assert [event.seq for event in events] == list(range(1, count + 1)), "the SQL numbers them from their seqs"
     query = rows.query.chain(UpdateQuery)
     query.add_update_values({**values, "last_event_seq": F("last_event_seq") + count})
     sql, params = query.get_compiler(rows.db).as_sql()
     seq = connection.ops.quote_name("last_event_seq")
-    in_one = checkpoint is not None and connection.vendor == "postgresql"  # (SQLite's WITH cannot hold an INSERT)
+    inserts = [group for group in ([checkpoint] if checkpoint is not None else [], events) if group]
+    in_one = bool(inserts) and connection.vendor == "postgresql"
     if in_one:
-        insert, inserted = _insert_if_moved(checkpoint)
-        sql, params = f"WITH moved AS ({sql} RETURNING {seq}), saved AS ({insert}) SELECT {seq} FROM moved", [
-            *params, *inserted]
+        ctes = [f"moved AS ({sql} RETURNING {seq})"]
+        for group in inserts:
+            insert, inserted = _insert_if_moved(group, reserved=count)
+            ctes.append(f"saved_{group[0]._meta.model_name} AS ({insert})")
+            params = [*params, *inserted]
+        sql = f"WITH {', '.join(ctes)} SELECT {seq} FROM moved"
     else:
         sql = f"{sql} RETURNING {seq}"
     with connection.cursor() as cursor:
@@ -115,27 +124,46 @@ def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], count: 
         row = cursor.fetchone()
     if row is None:
         return None
-    if checkpoint is not None and not in_one:
-        checkpoint.save(force_insert=True)
-    return row[0]
+    last = row[0]
+    for event in events:
+        event.seq += last - count
+    if not in_one:
+        if checkpoint is not None:
+            checkpoint.save(force_insert=True)
+        if events:
+            TaskEvent.objects.bulk_create(events)
+    return last
 
 
-def _insert_if_moved(row: Checkpoint) -> tuple[str, list[Any]]:
-    """`row`'s INSERT as Django compiles it (its values prepared and sealed as save() would), made an INSERT ...
-    SELECT from the `moved` rows of the statement it joins, so it writes only when the UPDATE won. Its values
-    are typed by casts: in a SELECT list, PostgreSQL would read a quoted literal as text. Checkpoint's alone: its
-    columns are numbers, a time and JSON; a CAST to varchar(n) would cut a longer text where an INSERT refuses it,
-    and a column with a database default or a parent model's would need more than this."""
-    model = type(row)
+def _insert_if_moved(rows: list[Checkpoint] | list[TaskEvent], *, reserved: int) -> tuple[str, list[Any]]:
+    """`rows`' INSERT as Django compiles it (their values prepared and sealed as save() would), made an INSERT ...
+    SELECT from the `moved` row of the statement it joins, so it writes only when the UPDATE won. An event's seq
+    is the one its number (1..`reserved`) takes among the seqs the UPDATE reserved.
+
+    The values are typed by casts: in a SELECT list, PostgreSQL would read a quoted literal as text. Checkpoint's
+    and TaskEvent's alone: their columns are numbers, times, JSON and short texts; a text is cast to text, not to
+    varchar(n), which would cut a longer one where the INSERT's assignment refuses it, as a plain INSERT does. A
+    column with a database default or a parent model's would need more than this."""
+    model = type(rows[0])
+    assert model in (Checkpoint, TaskEvent), model
     fields = [field for field in model._meta.local_concrete_fields if not field.primary_key]
-    query = InsertQuery(model)
-    query.insert_values(fields, [row])
-    [(_, params)] = query.get_compiler(connection=connection).as_sql()
-    assert len(params) == len(fields), "one parameter a column (no expression among the values)"
+    params: list[Any] = []
+    for row in rows:  # a row at a time: Django compiles several as UNNEST's arrays on PostgreSQL
+        query = InsertQuery(model)
+        query.insert_values(fields, [row])
+        [(_, prepared)] = query.get_compiler(connection=connection).as_sql()
+        assert len(prepared) == len(fields), "one parameter a column (no expression among the values)"
+        params.extend(prepared)
+
+    def value(field: Field) -> str:
+        if model is TaskEvent and field.attname == "seq":
+            return f"{connection.ops.quote_name('last_event_seq')} - {reserved} + CAST(%s AS bigint)"
+        return f"CAST(%s AS {'text' if isinstance(field, CharField) else field.db_type(connection)})"
+
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
-    values = ", ".join(f"CAST(%s AS {field.db_type(connection)})" for field in fields)
+    select = f"SELECT {', '.join(value(field) for field in fields)} FROM moved"
     table = connection.ops.quote_name(model._meta.db_table)
-    return f"INSERT INTO {table} ({columns}) SELECT {values} FROM moved", list(params)
+    return f"INSERT INTO {table} ({columns}) {' UNION ALL '.join([select] * len(rows))}", list(params)
 
 
 def _close_pending_operations(task: Task, *, now: datetime) -> None:

@@ -9,26 +9,27 @@ import itertools
 from datetime import timedelta
 
 import pytest
-from django.db import close_old_connections, connection
+from django.db import DataError, close_old_connections, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 
-from tasks import actions, clock, jobs, kicks, leases, operations, runner
+from tasks import actions, clock, events, jobs, kicks, leases, operations, runner, transitions
 from tasks.context import StepContext
 from tasks.drivers import Continue, OpRequest, get_driver
 from tasks.errors import LeaseLost
-from tasks.models import AdmissionRecord, Checkpoint, Operation, Task
+from tasks.events import NewEvent
+from tasks.models import AdmissionRecord, Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import TaskStatus
 from tests.factories import submit_sleep
 
 pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, not savepoints
-# The waiting probe, BEGIN, the fenced UPDATE (on PostgreSQL, the same statement writes the checkpoint), the
-# events, COMMIT; SQLite writes the checkpoint with a statement of its own.
-IN_PLACE_STATEMENTS = {"postgresql": 5, "sqlite": 6}
+# The waiting probe, BEGIN, the fenced UPDATE (on PostgreSQL, the same statement writes the checkpoint and the
+# events), COMMIT; SQLite writes the checkpoint and the events with a statement each.
+IN_PLACE_STATEMENTS = {"postgresql": 4, "sqlite": 6}
 # A research step after a kick: the claim (with the checkpoint), the last step's calls; BEGIN, the fenced UPDATE
-# (which writes the checkpoint too), the events, the calls, their pools' pauses, the gateway kick, COMMIT; the
-# turn's closing look.
-RESUMED_WITH_CALLS_STATEMENTS = 10
+# (which writes the checkpoint and the events too), the calls (with a read of their pools' pauses), the gateway
+# kick, COMMIT; the turn's closing look.
+RESUMED_WITH_CALLS_STATEMENTS = 8
 MOVES_ON = Continue({"done": 1, "of": 3})
 ASKS_FOR_CALLS = Continue({"done": 1, "of": 3}, requests=[OpRequest(kind="tool", name="search",
                                                                      args={"query": "asyncio cancellation"})])
@@ -45,7 +46,7 @@ def steps_of(queries: list[dict]) -> list[list[str]]:
     return steps
 
 
-def test_a_step_that_continues_in_place_sends_five_statements_and_one_write_of_its_row(acme, alice, settings):
+def test_a_step_that_continues_in_place_sends_four_statements_and_one_write_of_its_row(acme, alice, settings):
     settings.LONGHAUL_STEP_SLICE_MS = 60_000
     task = submit_sleep(acme, alice, steps=5)
     OrmQ.objects.all().delete()  # nothing waiting: the worker keeps the lease between steps
@@ -69,6 +70,7 @@ def test_a_step_that_continues_in_place_sends_five_statements_and_one_write_of_i
         assert len(updates) == 1, f"the fence, the step and the event seqs are one UPDATE: {updates}"
         if connection.vendor == "postgresql":
             assert 'INSERT INTO "tasks_checkpoint"' in updates[0], f"the checkpoint is the UPDATE's: {statements}"
+            assert 'INSERT INTO "tasks_taskevent"' in updates[0], f"and so are the events: {statements}"
     assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1, 2, 3, 4, 5]
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
 
@@ -168,6 +170,53 @@ def test_the_checkpoint_the_fenced_update_writes_is_sealed_and_reads_back_as_wri
         cursor.execute(f"SELECT state FROM {Checkpoint._meta.db_table} WHERE id = %s", [written.pk])
         (stored,) = cursor.fetchone()
     assert "a-marker-only-this-checkpoint-holds" not in str(stored), "the checkpoint was written in the clear"
+
+
+def test_the_events_the_fenced_update_writes_take_the_seqs_it_reserved_sealed_and_heard_as_written(
+        acme, alice, settings):
+    settings.LONGHAUL_ENCRYPT_AT_REST = True
+    task = submit_sleep(acme, alice, steps=3)
+    held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert held is not None
+    before = Task.objects.get(pk=task.pk).last_event_seq
+    heard: list[tuple[int, str, dict]] = []
+
+    def listener(_task: Task, batch) -> None:
+        heard.extend((event.seq, event.kind, event.data) for event in batch)
+
+    said = [NewEvent("progress", {"note": "a-marker-only-this-event-holds"}), NewEvent("progress", {"n": 2})]
+    events.on_append(listener)
+    try:
+        kept = runner._commit(held, held.fencing_token, get_driver("sleep"), Continue({"done": 1, "of": 3},
+                              events=said), StepContext(held, token=held.fencing_token), keep_lease=True,
+                              state_before={})
+    finally:
+        events._listeners.remove(listener)
+
+    assert kept is not None
+    row = Task.objects.get(pk=task.pk)
+    written = TaskEvent.objects.filter(task=task, seq__gt=before).order_by("seq")
+    stored = list(written.values_list("seq", "kind", "data"))
+    assert [seq for seq, _, _ in stored] == list(range(before + 1, row.last_event_seq + 1)), "gapless, up to the row's"
+    assert [(kind, data) for _, kind, data in stored if kind == "progress"] == [(e.kind, e.data) for e in said]
+    assert heard == stored, "listeners hear the events with the seqs they were written with"
+    assert set(written.values_list("status", flat=True)) == {TaskStatus.RUNNING}
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT data FROM {TaskEvent._meta.db_table} WHERE task_id = %s", [task.pk])
+        assert "a-marker-only-this-event-holds" not in str(cursor.fetchall()), "an event was written in the clear"
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="SQLite does not hold a text to its column's length")
+def test_an_event_too_long_for_its_column_is_refused_by_the_fenced_update_not_cut_short(acme, alice):
+    task = submit_sleep(acme, alice, steps=3)
+    held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert held is not None
+    before = Task.objects.get(pk=task.pk).last_event_seq
+    with pytest.raises(DataError), transaction.atomic():
+        transitions.commit_step(held, token=held.fencing_token, now=clock.now(), keep_lease=True,
+                                events=[NewEvent("k" * (TaskEvent._meta.get_field("kind").max_length + 1))])
+    assert Task.objects.get(pk=task.pk).last_event_seq == before
+    assert not TaskEvent.objects.filter(task=task, kind__startswith="kkk").exists()
 
 
 def submit_research(tenant, user) -> Task:
