@@ -55,7 +55,7 @@ from tasks.events import NewEvent, append
 from tasks.heartbeat import heartbeat
 from tasks.models import Alert, Checkpoint, Task
 from tasks.statuses import ErrorClass
-from tasks.stopping import driver_or_none, latest_checkpoint, must_win, stop_as_requested
+from tasks.stopping import driver_or_none, latest_checkpoint, must_win, reads_checkpoint, stop_as_requested
 
 log = logging.getLogger(__name__)
 DEFER_FOR = timedelta(seconds=60)
@@ -401,9 +401,7 @@ def _defer(task: Task, token: int, *, reason: str) -> None:
     now = clock.now()
     with transaction.atomic():
         fresh = leases.lock_fenced(task.pk, token)
-        reads_checkpoint = fresh.cancel_requested_at and (
-            fresh.cancel_keep_results or remote_cancelling(driver_or_none(fresh.kind)) is not None)
-        if (fresh.cancel_requested_at or fresh.pause_requested_at) and not reads_checkpoint:
+        if (fresh.cancel_requested_at or fresh.pause_requested_at) and not reads_checkpoint(fresh):
             stop_as_requested(fresh, now=now, token=token)
             return None
         must_win(transitions.defer(fresh, token=token, now=now, until=now + DEFER_FOR, reason=reason))

@@ -48,6 +48,13 @@ def stop_as_requested(task: Task, *, now: datetime, token: int | None = None) ->
         must_win(won)
 
 
+def reads_checkpoint(task: Task) -> bool:
+    """Whether stopping `task` as asked reads its last checkpoint (stop_as_requested): a cancel keeping
+    results reads what it keeps, and a cancel of a kind that stops remote work reads whether there is any."""
+    return bool(task.cancel_requested_at) and (
+        task.cancel_keep_results or remote_cancelling(driver_or_none(task.kind)) is not None)
+
+
 def _stop_remote_work(task: Task, *, now: datetime, token: int | None) -> None:
     """Cancel rounds take a running slot: a task that holds one runs them now; one that holds none
     (queued, paused, waiting for input) queues for one, first in its tenant (DESIGN §4 admission).

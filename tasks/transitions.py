@@ -99,9 +99,9 @@ def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], events:
     row. `events` come numbered from 1 and leave numbered for good.
 
     On PostgreSQL the rows are inserted by the same statement, from the UPDATE's RETURNING: the UPDATE, the
-    checkpoint and the events in one round trip. Django's update() cannot return a column, so the same UPDATE is compiled by
-    Django and given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it); SQLite's WITH cannot hold
-    an INSERT, so there the rows are saved after an UPDATE that won."""
+    checkpoint and the events in one round trip. Django's update() cannot return a column, so the same UPDATE
+    is compiled by Django and given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it); SQLite's
+    WITH cannot hold an INSERT, so there the rows are saved after an UPDATE that won."""
     count = len(events)
     assert [event.seq for event in events] == list(range(1, count + 1)), "the SQL numbers them from their seqs"
     query = rows.query.chain(UpdateQuery)
