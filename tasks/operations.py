@@ -46,7 +46,7 @@ from django.db.models import BooleanField, Case, Count, F, OuterRef, Q, QuerySet
 from django.db.models.functions import RowNumber
 from django.db.models.sql.subqueries import InsertQuery
 
-from tasks import clock, drain, events, kicks, leases, pools, requested, sealed, transitions
+from tasks import clock, drain, events, kicks, leases, pools, requested, sealed, transitions, typed_sql
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drain import draining
@@ -554,32 +554,59 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
     at a question a watch call saw, or stop remote work its ended task no longer wants. Returns which closed.
 
     The tasks are locked in id order, in one statement, before anything is written (one recorder per task
-    at a time, and two recorders never wait on each other in a circle)."""
+    at a time, and two recorders never wait on each other in a circle). The calls are then locked and
+    closed a few statements a batch, not one or more a call: a wave of outcomes is one recorder's work."""
     with transaction.atomic():
         ops = Operation.objects.only("task_id", "step", "key", "has_side_effects").in_bulk(
             [c.op_id for c in closing])
         tasks = {t.pk: t for t in Task.objects.select_for_update().filter(
             pk__in={op.task_id for op in ops.values()}).order_by("pk")}
-        closed = [False] * len(closing)
+        held = _held(closing)
+        # Not held: gone, or our lease expired and another job took the operation over.
+        closed = [c.op_id in held for c in closing]
         retries: Counter[int] = Counter()
-        written: list[tuple[Operation, str]] = []
-        for n, c in enumerate(closing):
-            op = ops.get(c.op_id)
-            if op is None or not Operation.objects.filter(c.guard, pk=c.op_id).update(
-                    **sealed.wrap(Operation, tasks[op.task_id].tenant_id, c.fields)):
-                continue  # gone, or our lease expired and another job took the operation over
-            closed[n] = True
-            retries[op.task_id] += c.retries_used
-            written.append((op, c.fields["status"]))
+        written: list[tuple[Operation, dict[str, Any]]] = []
+        for c in closing:
+            if c.op_id in held:
+                op = ops[c.op_id]
+                written.append((op, sealed.wrap(Operation, tasks[op.task_id].tenant_id, c.fields)))
+                retries[op.task_id] += c.retries_used
+        _store(written)
         for task_id, used in retries.items():
             if used:
                 Task.objects.filter(pk=task_id).update(retries=F("retries") + used)
         if written:
             now = closing[0].fields["finished_at"]
             out = _steps_with_calls_out({op.task_id for op, _ in written})
-            for op, status in sorted(written, key=lambda w: (w[0].task_id, w[0].pk)):
-                _after_closing(tasks[op.task_id], op, status, out=out, now=now)
+            done = {op.task_id: tasks[op.task_id] for op, fields in written
+                    if _after_closing(tasks[op.task_id], op, fields["status"], out=out, now=now)}
+            due = transitions.operations_done_many(sorted(done.values(), key=lambda task: task.pk), now=now)
+            kicks.kick_many("advance", sorted(task.pk for task in due))
     return closed
+
+
+def _held(closing: Sequence[_Closing]) -> set[int]:
+    """The calls whose guard still holds (the closing job's lease), locked until the commit: one
+    statement for a batch, whose calls share their job's guard."""
+    by_guard: dict[Q, list[int]] = {}
+    for c in closing:
+        by_guard.setdefault(c.guard, []).append(c.op_id)
+    return {pk for guard, ids in by_guard.items() for pk in Operation.objects.select_for_update(of=("self",))
+            .filter(guard, pk__in=ids).values_list("pk", flat=True)}
+
+
+def _store(rows: list[tuple[Operation, dict[str, Any]]]) -> None:
+    """Write each locked call's closing fields (sealed already). On PostgreSQL one UPDATE for the calls
+    closed with the same fields (a batch's outcomes), whatever their values."""
+    by_fields: dict[tuple[str, ...], list[tuple[int, dict[str, Any]]]] = {}
+    for op, fields in rows:
+        by_fields.setdefault(tuple(fields), []).append((op.pk, fields))
+    for same in by_fields.values():
+        if connection.vendor == "postgresql":
+            typed_sql.update_each(Operation, same)
+        else:
+            for pk, fields in same:
+                Operation.objects.filter(pk=pk).update(**fields)
 
 
 def _steps_with_calls_out(task_ids: set[int]) -> set[tuple[int, int]]:
@@ -595,22 +622,21 @@ def _awaited(key: str) -> bool:
     return not key.split(":")[2].startswith(("a", WATCH_PREFIX))
 
 
-def _after_closing(task: Task, op: Operation, status: str, *, out: set[tuple[int, int]], now: datetime) -> None:
-    """Inside the transaction that closed `op`, its task locked: what follows for the task."""
+def _after_closing(task: Task, op: Operation, status: str, *, out: set[tuple[int, int]], now: datetime) -> bool:
+    """Inside the transaction that closed `op`, its task locked: what follows for the task. True when the step
+    it waits for has no call out any more: the caller makes the steps of a batch due, and kicks them, together."""
     if task.status in TERMINAL:
         if op.has_side_effects and status == OperationStatus.SUCCEEDED:
             # Work it started (a remote job) outlives a task that ended meanwhile: stop it, once.
             request_abandon(task, now=now)
-        return
+        return False
     if is_watch(op.key):
         if task.status == TaskStatus.WAITING_INPUT and op.step == task.current_step - 1:
             _after_watch(task, op.pk, now=now)
-        return
+        return False
     still_waiting = task.status == TaskStatus.WAITING_TOOL or (
         task.status == TaskStatus.RUNNING and task.waiting_reason in ("model", "tool"))
-    if still_waiting and op.step >= task.current_step - 1 and (task.pk, op.step) not in out \
-            and transitions.operations_done(task, now=now):
-        kicks.kick("advance", task.pk)
+    return still_waiting and op.step >= task.current_step - 1 and (task.pk, op.step) not in out
 
 
 def _after_watch(task: Task, op_id: int, *, now: datetime) -> None:

@@ -13,10 +13,10 @@ from datetime import datetime
 from typing import Any
 
 from django.db import connection
-from django.db.models import CharField, F, Field, Q, QuerySet
+from django.db.models import F, Field, Q, QuerySet
 from django.db.models.sql.subqueries import InsertQuery, UpdateQuery
 
-from tasks import admission_records, sealed
+from tasks import admission_records, sealed, typed_sql
 from tasks.errors import InvalidTransition
 from tasks.events import NewEvent, append, unsaved, written
 from tasks.models import Checkpoint, Operation, Task, TaskEvent
@@ -140,10 +140,9 @@ def _insert_if_moved(rows: list[Checkpoint] | list[TaskEvent], *, reserved: int)
     SELECT from the `moved` row of the statement it joins, so it writes only when the UPDATE won. An event's seq
     is the one its number (1..`reserved`) takes among the seqs the UPDATE reserved.
 
-    The values are typed by casts: in a SELECT list, PostgreSQL would read a quoted literal as text. Checkpoint's
-    and TaskEvent's alone: their columns are numbers, times, JSON and short texts; a text is cast to text, not to
-    varchar(n), which would cut a longer one where the INSERT's assignment refuses it, as a plain INSERT does. A
-    column with a database default or a parent model's would need more than this."""
+    The values are typed by casts (tasks/typed_sql.py). Checkpoint's and TaskEvent's alone: their columns are
+    numbers, times, JSON and short texts. A column with a database default or a parent model's would need more
+    than this."""
     model = type(rows[0])
     assert model in (Checkpoint, TaskEvent), model
     fields = [field for field in model._meta.local_concrete_fields if not field.primary_key]
@@ -158,7 +157,7 @@ def _insert_if_moved(rows: list[Checkpoint] | list[TaskEvent], *, reserved: int)
     def value(field: Field) -> str:
         if model is TaskEvent and field.attname == "seq":
             return f"{connection.ops.quote_name('last_event_seq')} - {reserved} + CAST(%s AS bigint)"
-        return f"CAST(%s AS {'text' if isinstance(field, CharField) else field.db_type(connection)})"
+        return typed_sql.typed_param(field)
 
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
     select = f"SELECT {', '.join(value(field) for field in fields)} FROM moved"
@@ -396,9 +395,54 @@ def operations_done(task: Task, *, now: datetime) -> bool:
     if task.status == S.RUNNING and task.waiting_reason not in ("model", "tool"):
         raise InvalidTransition(task.public_id, task.status, "operations_done")
     events = [NewEvent("tool_results_ready", {})] if task.status == S.WAITING_TOOL else []
-    return _move(task, S.RUNNING, allowed_from={S.WAITING_TOOL, S.RUNNING}, now=now,
-                 guard=NOT_HELD & Q(next_run_at__isnull=True),
-                 fields={"next_run_at": now, "waiting_reason": "", "last_progress_at": now}, events=events)
+    return _move(task, S.RUNNING, allowed_from={S.WAITING_TOOL, S.RUNNING}, now=now, guard=_CALLS_OUT,
+                 fields=_calls_done(now), events=events)
+
+
+def operations_done_many(tasks: list[Task], *, now: datetime) -> list[Task]:
+    """operations_done for the tasks whose last call of a step a gateway batch recorded, each moved as it would
+    move it; returns those moved. Those running while they wait for the model or a tool write no event: one
+    UPDATE moves them all (a wave of model answers, a step each). A task waiting for tools alone."""
+    for task in tasks:
+        if task.status == S.RUNNING and task.waiting_reason not in ("model", "tool"):
+            raise InvalidTransition(task.public_id, task.status, "operations_done")
+    running = [task for task in tasks if task.status == S.RUNNING]
+    moved = _move_quietly(running, S.RUNNING, now=now, guard=_CALLS_OUT, fields=_calls_done(now))
+    return [*moved, *(task for task in tasks if task.status != S.RUNNING and operations_done(task, now=now))]
+
+
+_CALLS_OUT = NOT_HELD & Q(next_run_at__isnull=True)  # waiting for its calls, not yet made due
+
+
+def _calls_done(now: datetime) -> dict[str, Any]:
+    return {"next_run_at": now, "waiting_reason": "", "last_progress_at": now}
+
+
+def _move_quietly(tasks: list[Task], to: TaskStatus, *, now: datetime, guard: Q, fields: dict[str, Any]) -> list[Task]:
+    """_move for many tasks in one UPDATE, for a move that writes no event and has nothing to follow it: no
+    slot given back or needed, nobody told, no ending, no question left. Each row moves only if it is still
+    as its task was read (status and version), as with _move; returns the tasks moved, changed as their rows."""
+    if not tasks:
+        return []
+    assert to in HOLDS_SLOT and to not in TOLD, f"a move to {to} has consequences"
+    assert all(task.status in HOLDS_SLOT for task in tasks), "a move that needs a slot has consequences"
+    as_read = Q()
+    for task in tasks:
+        as_read |= Q(pk=task.pk, status=task.status, version=task.version)
+    # The primary keys apart as well: the OR alone, planned over the task table's many indexes, may scan one of them.
+    query = Task.objects.filter(as_read, pk__in=[task.pk for task in tasks]).filter(guard).query.chain(UpdateQuery)
+    values = {**fields, "status": to, "updated_at": now}
+    query.add_update_values({**values, "version": F("version") + 1})  # none sealed: the tasks' tenants may differ
+    sql, params = query.get_compiler(connection=connection).as_sql()
+    with connection.cursor() as cursor:
+        cursor.execute(f"{sql} RETURNING {connection.ops.quote_name(Task._meta.pk.column)}", params)
+        won = {row[0] for row in cursor.fetchall()}
+    moved = [task for task in tasks if task.pk in won]
+    for task in moved:
+        for name, value in values.items():
+            setattr(task, name, value)
+        task.version += 1
+    return moved
 
 
 def make_due(task: Task, *, now: datetime, reason: str) -> bool:

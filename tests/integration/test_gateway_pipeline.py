@@ -13,13 +13,14 @@ from typing import Any
 import psycopg
 import pytest
 from django.db import connection, transaction
+from django.db.models import F, Q
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
-from tasks import clock, kicks, operations, pools, requested
+from tasks import clock, kicks, operations, pools, requested, transitions
 from tasks.drivers import OpRequest
-from tasks.models import Operation, Pool, Task
+from tasks.models import Operation, Pool, Task, TaskEvent
 from tasks.statuses import OperationStatus, TaskStatus
 from tests.factories import make_task
 from tests.fakes.openai_server import FakeOpenAI, Reply
@@ -98,6 +99,107 @@ def test_a_batch_costs_fewer_statements_than_its_outcomes_recorded_one_by_one(ac
             assert operations.record(op.pk, owner=OWNER, result={"results": []})
     assert len(together) < len(one_by_one), (len(together), len(one_by_one))
     assert advance_kicks() == sorted(op.task_id for op in batch + alone)
+
+
+# SQLite (the embedded mode) writes a batch's calls one statement each.
+one_update_a_batch = pytest.mark.skipif("connection.vendor != 'postgresql'", reason="UPDATE ... FROM VALUES")
+
+
+@one_update_a_batch
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_sends_as_many_statements_for_twenty_outcomes_as_for_one(acme, alice, settings):
+    settings.LONGHAUL_TASK_CALLS_IN_FLIGHT = 50
+    _, ops = waiting(acme, alice, calls=22)  # one call stays out: no step is done, no task moves
+    one, twenty = ops[:1], ops[1:21]
+
+    with CaptureQueriesContext(connection) as for_one:
+        assert operations.record_many([outcome(op) for op in one], owner=OWNER) == [True]
+    with CaptureQueriesContext(connection) as for_twenty:
+        assert operations.record_many([outcome(op, {"results": [n]}) for n, op in enumerate(twenty)],
+                                      owner=OWNER) == [True] * 20
+
+    assert len(for_twenty) == len(for_one), [q["sql"][:80] for q in for_twenty]
+    stored = dict(Operation.objects.filter(pk__in=[op.pk for op in twenty]).values_list("pk", "result"))
+    assert stored == {op.pk: {"results": [n]} for n, op in enumerate(twenty)}, "each its own outcome"
+    assert Operation.objects.get(pk=ops[21].pk).status == Op.STARTED
+
+
+@one_update_a_batch
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_that_ends_ten_steps_sends_as_many_statements_as_one_that_ends_one(acme, alice):
+    def research_waiting_for_the_model() -> Operation:
+        task, [op] = waiting(acme, alice)
+        Task.objects.filter(pk=task.pk).update(status=TaskStatus.RUNNING, waiting_reason="model")
+        return op
+
+    one = research_waiting_for_the_model()
+    ten = [research_waiting_for_the_model() for _ in range(10)]
+    before = dict(Task.objects.values_list("pk", "version"))
+    OrmQ.objects.all().delete()
+
+    with CaptureQueriesContext(connection) as for_one:
+        assert operations.record_many([outcome(one)], owner=OWNER) == [True]
+    with CaptureQueriesContext(connection) as for_ten:
+        assert operations.record_many([outcome(op) for op in ten], owner=OWNER) == [True] * 10
+
+    assert len(for_ten) == len(for_one), [q["sql"][:80] for q in for_ten]
+    assert advance_kicks() == sorted(op.task_id for op in [one, *ten])
+    moved = Task.objects.filter(pk__in=[op.task_id for op in [one, *ten]])
+    assert {(t.status, t.waiting_reason, t.next_run_at is not None, t.version - before[t.pk]) for t in moved} == {
+        (TaskStatus.RUNNING, "", True, 1)}, "each made due as operations_done makes it, its version bumped once"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_steps_a_batch_makes_due_move_as_operations_done_moves_each(acme, alice):
+    def running(reason: str = "model", **fields: Any) -> Task:
+        task = make_task(acme, alice, status=TaskStatus.RUNNING, next_run_at=None, current_step=1)
+        Task.objects.filter(pk=task.pk).update(waiting_reason=reason, **fields)
+        return Task.objects.get(pk=task.pk)
+
+    quiet, other_quiet, tools = running(), running("tool"), waiting(acme, alice)[0]
+    moved_meanwhile, held = running(), running(lease_owner="worker:9")
+    Task.objects.filter(pk=moved_meanwhile.pk).update(version=F("version") + 1)  # read before another change
+    alone = running()
+    running_version = alone.version
+    assert {quiet.version, other_quiet.version} == {running_version}
+    now = clock.now()
+
+    with transaction.atomic():
+        moved = transitions.operations_done_many([quiet, other_quiet, tools, moved_meanwhile, held], now=now)
+        assert transitions.operations_done(alone, now=now)
+
+    assert sorted(t.pk for t in moved) == sorted([quiet.pk, other_quiet.pk, tools.pk])
+    columns = ("status", "waiting_reason", "next_run_at", "last_progress_at", "updated_at", "version", "last_event_seq")
+    rows = {row[0]: row[1:] for row in Task.objects.values_list("pk", *columns)}
+    for task in moved:
+        assert rows[task.pk] == tuple(getattr(task, name) for name in columns), "the task as its row"
+    assert rows[alone.pk][:5] == (TaskStatus.RUNNING, "", now, now, now), "the one-task transition"
+    for task, read in ((quiet, running_version), (other_quiet, running_version), (alone, running_version)):
+        assert rows[task.pk][:6] == (*rows[alone.pk][:5], read + 1), "moved alike, its version bumped once"
+    assert list(TaskEvent.objects.filter(task_id=tools.pk).values_list("kind", flat=True)) == ["tool_results_ready"]
+    assert not TaskEvent.objects.filter(task_id__in=[quiet.pk, other_quiet.pk]).exists()
+    assert rows[moved_meanwhile.pk][0:3] == (TaskStatus.RUNNING, "model", None), "changed since read: not moved"
+    assert rows[held.pk][0:3] == (TaskStatus.RUNNING, "model", None), "held by a worker: not moved"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_whose_outcomes_carry_different_fields_records_each_as_given(acme, alice):
+    (_, [a]), (_, [b]) = waiting(acme, alice), waiting(acme, alice)
+    now = clock.now()
+    guard = Q(status=Op.STARTED, lease_owner=OWNER)
+    lost = {"status": Op.FAILED, "result": None, "error_class": "timeout", "error_message": "lost",
+            "finished_at": now, "lease_owner": "", "lease_expires_at": None}
+
+    assert operations._finish_many([
+        operations._Closing(a.pk, guard, lost),
+        operations._Closing(b.pk, guard, outcome(b, usage={"tokens": 3}, version="v9").fields(now)),
+    ]) == [True, True]
+
+    rows = {op.pk: op for op in Operation.objects.filter(pk__in=[a.pk, b.pk])}
+    assert (rows[a.pk].status, rows[a.pk].error_message, rows[a.pk].usage, rows[a.pk].version) == (
+        Op.FAILED, "lost", {}, "")
+    assert (rows[b.pk].status, rows[b.pk].result, rows[b.pk].usage, rows[b.pk].version) == (
+        Op.SUCCEEDED, {"results": []}, {"tokens": 3}, "v9")
 
 
 @pytest.mark.django_db(transaction=True)
