@@ -12,6 +12,7 @@ those for calls that the gateway job holding the turn has heard of already.
 
 from __future__ import annotations
 
+import functools
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from functools import lru_cache
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db import connection
+from django.db import connection, transaction
 from django.utils import timezone
 from django_q.brokers import get_broker
 from django_q.humanhash import uuid as q_uuid
@@ -46,6 +47,12 @@ STEP_JOBS = frozenset({"advance"})
 GATEWAY_JOBS = frozenset({"operations"})
 # The session advisory lock a gateway job holds while it claims calls (tasks/operations.py).
 GATEWAY_TURN_KEY = zlib.crc32(b"longhaul-gateway-turn")
+# While a gateway job holds the turn (PostgreSQL's advisory lock, which pg_locks lists), it hears the calls
+# steps request: their gateway kicks are only hints. SQLite has no such lock; a gateway kick always counts.
+_TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s "
+              "AND objsubid = 1 AND granted "
+              # Advisory locks are the server's: another database's gateway job holds another turn.
+              "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))")
 
 
 def register_job(name: str, dotted_path: str, *, queue: str | None = None) -> None:
@@ -89,6 +96,32 @@ def kick_many(job: str, task_ids: Iterable[int]) -> None:
         OrmQ.objects.bulk_create(rows)
 
 
+def kick_calls(task_id: int, *, at: datetime) -> None:
+    """Inside the commit that requested the task's calls, due at `at`: a gateway job for them, unless the
+    job holding the turn will hear them.
+
+    That job hears the commit (tasks/requested.py), and on its way out, once it has given the turn back, it
+    kicks what is left (operations.kick_if_claimable); a kick would only run a job that is refused the turn,
+    one per step that asked for calls. So on PostgreSQL a kick for calls due now is put on the queue after
+    the commit, by one statement that does nothing while the turn is held: a job seen holding it then gives
+    it back after the calls were committed, and its look on the way out finds them. A process that dies
+    between the commit and that statement leaves the calls to the sweeper. A kick for later is kicked as
+    ever: by then the job holding the turn may have ended. SQLite has no turn: its kicks always count."""
+    now = timezone.now()
+    if connection.vendor != "postgresql" or at > now:
+        kick("operations", task_id, at=at)
+        return
+    row = _message("operations", task_id, at=None, now=now)
+    # robust: the step has committed whatever happens here; a kick lost is the sweeper's to make.
+    transaction.on_commit(functools.partial(_kick_unless_turn_held, row), robust=True)
+
+
+def _kick_unless_turn_held(row: OrmQ) -> None:
+    with connection.cursor() as cursor:
+        cursor.execute(f"INSERT INTO {OrmQ._meta.db_table} (key, payload, lock) SELECT %s, %s, %s "
+                       f"WHERE {_TURN_FREE}", [row.key, row.payload, row.lock, GATEWAY_TURN_KEY])
+
+
 def _message(job: str, task_id: int, *, at: datetime | None, now: datetime) -> OrmQ:
     name, message_id = q_uuid()
     package = {
@@ -114,14 +147,6 @@ def withdraw(kick_id: int) -> None:
 class Waiting:
     jobs: bool  # due work in this cluster's own queue (deliveries, sweeps), or a gateway kick nobody hears
     steps: bool  # another task whose step is due, held by nobody (its kick, if any, is only a hint)
-
-
-# While a gateway job holds the turn (PostgreSQL's advisory lock, which pg_locks lists), it hears the calls
-# steps request: their gateway kicks are only hints. SQLite has no such lock; a gateway kick always counts.
-_TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s "
-              "AND objsubid = 1 AND granted "
-              # Advisory locks are the server's: another database's gateway job holds another turn.
-              "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))")
 
 
 def waiting(*, now: datetime, besides: int) -> Waiting:

@@ -165,8 +165,8 @@ def request_abandon(task: Task, *, now: datetime) -> bool:
     requests = remote.abandon(task, checkpoint.state if checkpoint else None)
     if not requests:
         return False
-    request(task, token=task.fencing_token, requests=requests, now=now, prefix="a")
-    kicks.kick("operations", task.pk)
+    due = request(task, token=task.fencing_token, requests=requests, now=now, prefix="a")
+    kicks.kick_calls(task.pk, at=due)
     return True
 
 

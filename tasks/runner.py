@@ -256,7 +256,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             if outcome.watch is not None:
                 # Runs while the owner thinks; tasks/operations.py withdraws the question if the remote moved on.
                 due = operations.request_watch(fresh, token=token, watch=outcome.watch, now=now, step=asking_step)
-                kicks.kick("operations", task.pk, at=due)
+                kicks.kick_calls(task.pk, at=due)
             return None
         if isinstance(outcome, Continue) and outcome.requests and not stop_requested:
             must_win(_wait_for_requests(fresh, token, outcome, events, now=now, step_done=not quiet))
@@ -320,7 +320,7 @@ def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[N
     if not won:
         return False
     due = operations.request(task, token=token, requests=outcome.requests, now=now, step=step, new_step=step_done)
-    kicks.kick("operations", task.pk, at=due)
+    kicks.kick_calls(task.pk, at=due)
     return True
 
 
@@ -432,7 +432,7 @@ def _wait_again(task: Task, token: int) -> bool:
             tool = operations.waits_on_tool(task.pk, step)
             must_win(transitions.wait_for_operations(fresh, token=token, now=now, tool=tool, events=[],
                                                  step_done=False))
-        kicks.kick("operations", task.pk, at=operations.first_due(task.pk, step, now))
+        kicks.kick_calls(task.pk, at=operations.first_due(task.pk, step, now))
     return True
 
 

@@ -392,8 +392,7 @@ def _told(task: Task, event: str, *, now: datetime) -> bool:
 
 def operations_done(task: Task, *, now: datetime) -> bool:
     """waiting_tool/running-for-the-model -> running: the next step is due now."""
-    if task.status == S.RUNNING and task.waiting_reason not in ("model", "tool"):
-        raise InvalidTransition(task.public_id, task.status, "operations_done")
+    _check_waiting_for_calls(task)
     events = [NewEvent("tool_results_ready", {})] if task.status == S.WAITING_TOOL else []
     return _move(task, S.RUNNING, allowed_from={S.WAITING_TOOL, S.RUNNING}, now=now, guard=_CALLS_OUT,
                  fields=_calls_done(now), events=events)
@@ -404,14 +403,19 @@ def operations_done_many(tasks: list[Task], *, now: datetime) -> list[Task]:
     move it; returns those moved. Those running while they wait for the model or a tool write no event: one
     UPDATE moves them all (a wave of model answers, a step each). A task waiting for tools alone."""
     for task in tasks:
-        if task.status == S.RUNNING and task.waiting_reason not in ("model", "tool"):
-            raise InvalidTransition(task.public_id, task.status, "operations_done")
+        _check_waiting_for_calls(task)
     running = [task for task in tasks if task.status == S.RUNNING]
     moved = _move_quietly(running, S.RUNNING, now=now, guard=_CALLS_OUT, fields=_calls_done(now))
     return [*moved, *(task for task in tasks if task.status != S.RUNNING and operations_done(task, now=now))]
 
 
 _CALLS_OUT = NOT_HELD & Q(next_run_at__isnull=True)  # waiting for its calls, not yet made due
+
+
+def _check_waiting_for_calls(task: Task) -> None:
+    """A running task is moved on by its calls only while it waits for them, never in the middle of a step."""
+    if task.status == S.RUNNING and task.waiting_reason not in ("model", "tool"):
+        raise InvalidTransition(task.public_id, task.status, "operations_done")
 
 
 def _calls_done(now: datetime) -> dict[str, Any]:

@@ -4,15 +4,17 @@ over when the claiming job ends is kicked on to the next job."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 
 import psycopg
 import pytest
 from django.db import connection
+from django.utils import timezone
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
-from tasks import actions, jobs, operations
-from tasks.models import Operation, Task
+from tasks import actions, jobs, operations, pools
+from tasks.models import Operation, Pool, Task
 from tasks.statuses import OperationStatus
 
 pytestmark = [pytest.mark.django_db(transaction=True),
@@ -76,3 +78,26 @@ def test_a_job_that_finished_everything_kicks_nobody(acme, alice):
     OrmQ.objects.all().delete()
     assert operations.run_due(run_for=2) == 1
     assert gateway_kicks() == 0
+
+
+def test_a_step_asking_for_calls_while_a_job_has_the_turn_kicks_no_other_job(acme, alice, other_session):
+    """The job holding the turn hears the calls a commit requests; another job would only be refused the turn."""
+    other_session.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
+    waiting_for_its_plan(acme, alice)
+    assert gateway_kicks() == 0
+
+
+def test_a_step_asking_for_calls_while_no_job_has_the_turn_kicks_one(acme, alice):
+    waiting_for_its_plan(acme, alice)
+    assert gateway_kicks() == 1
+
+
+def test_a_step_asking_for_calls_for_later_kicks_a_job_for_then_even_while_one_has_the_turn(
+        acme, alice, other_session):
+    """The job holding the turn may have ended by then: a call put off (its pool paused) keeps its delayed kick."""
+    Pool.objects.create(key=pools.key_of("model", "plan", None), paused_until=timezone.now() + timedelta(minutes=5))
+    other_session.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
+    waiting_for_its_plan(acme, alice)
+    [lock] = [row.lock for row in OrmQ.objects.all()
+              if SignedPackage.loads(row.payload)["func"] == "tasks.jobs.run_operations"]
+    assert lock > timezone.now() + timedelta(minutes=4)

@@ -13,7 +13,8 @@ How it is driven:
 - broker: kicks are OrmQ rows (tasks/kicks.py). A rule takes a due row (lock <= now), decodes
   it and calls its function here; another deletes one unrun; another runs one and leaves it.
 - gateway: operations.run_due in-process, or operations.claim_batch by an owner that never
-  records (its lease must expire).
+  records (its lease must expire); another process's gateway job holding the turn is a second session
+  holding its advisory lock, which gives it back (kicking what is left, as a job does) or dies.
 
 After every rule: nothing is stranded (this module's own reading of the rule, and
 tasks/liveness.find_violations once the sweeper has run), event seqs are gapless, checkpoints
@@ -45,6 +46,7 @@ from typing import Any
 
 import httpx._transports.default as httpx_transports
 import httpx2._transports.default as httpx2_transports
+import psycopg
 import pytest
 import time_machine
 from django.conf import settings as django_settings
@@ -65,7 +67,7 @@ from chat import jobs as chat_jobs
 from chat import runs
 from chat.models import Message, Run, Thread, ThreadItem
 from chat.streams import STATUS_CHANGE_KINDS, number_new_items
-from tasks import actions, clock, deletion, kicks, leases, notifications, operations, runner, sweeper
+from tasks import actions, clock, deletion, kicks, leases, notifications, operations, requested, runner, sweeper
 from tasks.errors import Conflict, RateLimited
 from tasks.models import Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, Pool, SleepEffect, Task, TaskEvent
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
@@ -647,6 +649,7 @@ class LivenessMachine(RuleBasedStateMachine):
         self.swept = False
         self.seen: set[str] = set()
         self.remote_tasks = 0
+        self.turn_elsewhere: psycopg.Connection | None = None  # the session of another process's gateway job
 
     # --- helpers
 
@@ -811,6 +814,29 @@ class LivenessMachine(RuleBasedStateMachine):
             operations.claim_batch(owner=f"dead-gateway:{self.deaths}", limit=limit, now=self.now())
         elif operations.due_exists(self.now()):
             operations.run_due(run_for=2)
+
+    @rule(holds=st.booleans(), dies=st.booleans())
+    def gateway_elsewhere(self, holds, dies):
+        """Another process's gateway job takes the turn and claims nothing while it holds it (its calls out fill
+        its cap), so the steps meanwhile kick no gateway job; or it gives the turn back, kicking what is left on
+        its way out, or dies holding it (its session ends, and the lock with it)."""
+        if holds and self.turn_elsewhere is None:
+            session = psycopg.connect(requested.conninfo(), autocommit=True)
+            if session.execute("SELECT pg_try_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY]).fetchone()[0]:
+                self.turn_elsewhere = session
+            else:
+                session.close()
+        elif not holds and self.turn_elsewhere is not None:
+            self.give_the_turn_back(dies=dies)
+
+    def give_the_turn_back(self, *, dies: bool) -> None:
+        session, self.turn_elsewhere = self.turn_elsewhere, None
+        if dies:
+            session.close()
+            return
+        session.execute("SELECT pg_advisory_unlock(%s)", [operations.GATEWAY_TURN_KEY])
+        session.close()
+        operations.kick_if_claimable()
 
     @precondition(lambda self: self.task_ids)
     @rule(i=st.integers(0, MAX_TASKS - 1))
@@ -1004,6 +1030,8 @@ class LivenessMachine(RuleBasedStateMachine):
     def teardown(self):
         try:
             MEANWHILE.reset()
+            if self.turn_elsewhere is not None:
+                self.give_the_turn_back(dies=False)
             if self.task_ids or self.thread_ids:
                 self.drain()
                 for kind, status, notification, error in Task.objects.values_list(
