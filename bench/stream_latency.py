@@ -363,8 +363,10 @@ def main() -> None:
         # One user holds every subscriber: the per-user and per-tenant socket caps (LONGHAUL_WS_MAX_PER_*,
         # 20 and 200 by default) would refuse most of them, and this measures latency, not the caps.
         room = str(args.subscribers + 10)
+        # The web process as the Procfile runs it: no persistent connections but the read threads' own.
         with daphne(ROOT / "var" / "bench-logs" / "stream_latency", REDIS_URL=settings.REDIS_URL,
-                    LONGHAUL_WS_MAX_PER_USER=room, LONGHAUL_WS_MAX_PER_TENANT=room) as base:
+                    LONGHAUL_DB_CONN_MAX_AGE="0", LONGHAUL_WS_MAX_PER_USER=room,
+                    LONGHAUL_WS_MAX_PER_TENANT=room) as base:
             result = run_subscribers(base, cookie, tasks, args.subscribers,
                                      lambda: write_events(tasks, rate=args.rate, seconds=args.seconds))
         stream, faults = stream_latencies(tasks, result)

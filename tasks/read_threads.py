@@ -6,23 +6,27 @@ context, so every such call of every socket in a web process queues on asgiref's
 hops. Stream reads and their authorization checks need no thread of their own, so they run
 here instead: a few threads, each with its own queue, taken in turn.
 
-Database connections: Django keeps one per thread. Around every call channels'
-DatabaseSyncToAsync closes a connection that is broken or older than CONN_MAX_AGE, so these
-threads follow the process's setting (the Procfile runs web processes with 0: a connection per
-call) and a web process holds at most READ_THREADS connections for streams.
+Database connections: Django keeps one per thread, and these threads keep theirs from one read to
+the next, whatever CONN_MAX_AGE says. That setting is for the process's request threads, which come
+and go (the Procfile runs web processes with 0); these stay, so a web process holds at most
+READ_THREADS connections for streams (under the Procfile's setting, each read used to open one).
+No health check before each read either (a round trip, about half of a wake-up's read with 200
+subscribers): a connection that went bad while it waited (a database restart, an idle timeout) fails
+its read, which then runs once more on a new one.
 `close_connections` closes them, for tests before their database is dropped.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import itertools
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache, partial
 from typing import ParamSpec, TypeVar
 
-from channels.db import DatabaseSyncToAsync
-from django.db import connections
+from django.db import DEFAULT_DB_ALIAS, InterfaceError, OperationalError, connections
 
 # Reads are short queries: a few threads keep the database busy without holding many connections.
 READ_THREADS = 4
@@ -46,8 +50,8 @@ class ReadThreads:
 
         async def run(*args: P.args, **kwargs: P.kwargs) -> R:
             executor = next(self._turns)
-            return await DatabaseSyncToAsync(partial(read, *args, **kwargs), thread_sensitive=False,
-                                             executor=executor)()
+            call = partial(contextvars.copy_context().run, _on_kept_connection, partial(read, *args, **kwargs))
+            return await asyncio.get_running_loop().run_in_executor(executor, call)
 
         return run
 
@@ -55,6 +59,18 @@ class ReadThreads:
         """Close every thread's database connections; blocks until they are closed."""
         for executor in self._executors:
             executor.submit(connections.close_all).result()
+
+
+def _on_kept_connection(read: Callable[[], R]) -> R:
+    """`read` on this thread's connection; once more on a new one if it failed because that one had gone bad."""
+    try:
+        return read()
+    except (InterfaceError, OperationalError):
+        kept = connections[DEFAULT_DB_ALIAS]
+        if kept.connection is None or kept.is_usable():
+            raise  # the read failed, not the connection
+        kept.close()
+        return read()
 
 
 @cache
