@@ -228,8 +228,8 @@ def in_process(scope: h.Scope, steps: int) -> tuple[list[float], list[int]]:
 
 def in_place(scope: h.Scope, steps: int) -> list[int] | None:
     """SQL statements of each step that ran in place (the worker kept the lease), BEGIN and COMMIT
-    included, with the probe for waiting work before it; None when work waiting in the broker made
-    every step yield."""
+    included where there are any, with the probe for waiting work before it; None when work waiting in
+    the broker made every step yield."""
     # Kicks our earlier tasks left (a lease watchdog's, say) would make every step yield.
     h.purge_kicks(set(Task.objects.filter(tenant=scope.tenant).values_list("pk", flat=True)), set())
     with h.override(LONGHAUL_STEP_SLICE_MS=60_000):
@@ -241,10 +241,13 @@ def in_place(scope: h.Scope, steps: int) -> list[int] | None:
     h.purge_kicks({task_id}, set())
     if status != TaskStatus.SUCCEEDED:
         return None  # it yielded after its first step
-    per_commit, count = [], 0
+    per_commit, count, in_transaction = [], 0, False
     for query in queries.captured_queries:
+        sql = query["sql"]
         count += 1
-        if query["sql"] == "COMMIT":
+        in_transaction = (in_transaction or sql == "BEGIN") and sql != "COMMIT"
+        # A commit: a transaction's, or a step's fenced UPDATE committed alone (transitions.commits_alone).
+        if sql == "COMMIT" or (not in_transaction and sql.startswith("WITH moved AS (UPDATE")):
             per_commit.append(count)
             count = 0
     # The first step (its claim, one statement, goes with it) and the last (which ends the task) are not in place.

@@ -17,7 +17,7 @@ import atexit
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 # Each names one more group to wake with a task's events, or None; registered at app start.
 _also_woken: list[Callable[[Task], str | None]] = []
-# Each is told of every batch of appended events, inside the transaction that appended them.
-_listeners: list[Callable[[Task, Sequence[TaskEvent]], None]] = []
+# Each is told of every batch of appended events holding a kind it hears, inside the transaction that appended
+# them: listener -> the kinds it hears.
+_listeners: dict[Callable[[Task, Sequence[TaskEvent]], None], frozenset[str]] = {}
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ def written(task: Task, logged: Sequence[TaskEvent], *, last: int) -> int:
     if not logged:
         return task.last_event_seq
     task.last_event_seq = last
-    for listener in _listeners:
-        listener(task, logged)
+    for listener, kinds in _listeners.items():
+        if any(event.kind in kinds for event in logged):
+            listener(task, logged)
     public_id = task.public_id
     also = [group for group_of in _also_woken if (group := group_of(task)) is not None]
     transaction.on_commit(lambda: wake_subscribers(public_id, last, also=also))
@@ -101,16 +103,23 @@ def also_wake(group_of: Callable[[Task], str | None]) -> None:
         _also_woken.append(group_of)
 
 
-def on_append(listener: Callable[[Task, Sequence[TaskEvent]], None]) -> None:
-    """Tell `listener(task, events)` of every batch of events appended (called at app start).
+def on_append(listener: Callable[[Task, Sequence[TaskEvent]], None], *, kinds: Collection[str]) -> None:
+    """Tell `listener(task, events)` of every batch of events appended that holds one of `kinds`
+    (called at app start).
 
     It runs inside the appending transaction, so what it writes commits or rolls back with the
     events (an outbox row, never a network call). How webhooks hear of tasks without tasks
     importing them (DESIGN §15). The events are as written (seq, kind, status, data, at), without
-    their ids: a transition's own statement writes them, and does not read them back.
+    their ids: a transition's own statement writes them, and does not read them back. A batch no
+    listener hears may be committed by its transition's statement alone (transitions.commits_alone).
     """
-    if listener not in _listeners:
-        _listeners.append(listener)
+    _listeners[listener] = frozenset(kinds)
+
+
+def heard(kinds: Iterable[str]) -> bool:
+    """Whether a listener hears an event of one of `kinds`, and so writes in the appending transaction."""
+    wanted = set(kinds)
+    return any(not wanted.isdisjoint(heard_kinds) for heard_kinds in _listeners.values())
 
 
 def task_group(public_id: object) -> str:

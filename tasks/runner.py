@@ -211,8 +211,18 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
     worker goes on to the task due longest (and kicks the task due longest when its turn ends)."""
     now = clock.now()
     events = [*ctx.events, *outcome.events]
+    tried = False
+    if _plain(outcome) and (keep_lease or hand_on is None) and transitions.commits_alone(events):
+        # The common step with nothing to write beside it (no kick: the task stays with this worker, or the
+        # worker goes on to the task due longest): its fenced statement commits by itself, with no BEGIN and
+        # COMMIT round trips. When it loses, it wrote nothing: the locked commit below decides.
+        if transitions.commit_step(task, token=token, now=now, keep_lease=keep_lease, events=events,
+                                   guard=transitions.NO_STOP_REQUESTED, alone=True,
+                                   checkpoint=_checkpoint(task, token, driver, outcome.state, now=now)):
+            return task if keep_lease else None
+        tried = True
     with transaction.atomic():
-        if _plain(outcome):
+        if _plain(outcome) and not tried:
             # The common step, checkpoint and next step due, in one fenced statement with no row read first:
             # it loses (and writes nothing) when the lease moved on or a stop was asked for since the
             # task was read, and the step is then committed below, under the row lock.

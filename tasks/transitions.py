@@ -10,15 +10,16 @@ a race gets False and must re-read, never overwrite.
 from __future__ import annotations
 
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 from django.db import connection
 from django.db.models import F, Field, Q, QuerySet
-from django.db.models.sql.subqueries import InsertQuery, UpdateQuery
+from django.db.models.sql.subqueries import UpdateQuery
 
-from tasks import admission_records, sealed, typed_sql
+from tasks import admission_records, prepared, sealed, typed_sql
 from tasks.errors import InvalidTransition
-from tasks.events import NewEvent, append, unsaved, written
+from tasks.events import NewEvent, append, heard, unsaved, written
 from tasks.models import Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
 
@@ -51,16 +52,19 @@ def _move(
     fields: dict[str, Any] | None = None,
     events: list[NewEvent],
     checkpoint: Checkpoint | None = None,
+    alone: bool = False,
 ) -> bool:
-    """`checkpoint`: the step's, written by the transition's own UPDATE, only if it wins."""
+    """`checkpoint`: the step's, written by the transition's own UPDATE, only if it wins. `alone`: the
+    UPDATE commits by itself, outside any transaction (commits_alone says when it may)."""
     if task.status not in allowed_from:
         raise InvalidTransition(task.public_id, task.status, to)
-    assert connection.in_atomic_block, "a transition and its event commit together"
-    rows = Task.objects.filter(pk=task.pk, status=task.status, version=task.version)
+    if alone:
+        assert to == task.status == S.RUNNING and commits_alone(events), "only a step's commit writes nothing more"
+    else:
+        assert connection.in_atomic_block, "a transition and its event commit together"
+    match: dict[str, Any] = {"id": task.pk, "status": task.status, "version": task.version}
     if token is not None:
-        rows = rows.filter(fencing_token=token)
-    if guard is not None:
-        rows = rows.filter(guard)
+        match["fencing_token"] = token
     values = dict(fields or {})
     values.update(status=to, version=task.version + 1, updated_at=now)
     if task.status in HOLDS_SLOT and to not in HOLDS_SLOT:
@@ -69,7 +73,8 @@ def _move(
         values.setdefault("yield_requested_at", None)
     # The events' rows are numbered 1..n here; the UPDATE that reserves their seqs numbers them for good.
     logged = unsaved(task, events, last=len(events), status=to, at=now)
-    last_seq = _update_reserving_seqs(rows, sealed.wrap(Task, task.tenant_id, values), logged, checkpoint=checkpoint)
+    last_seq = _update_reserving_seqs(match, guard, sealed.wrap(Task, task.tenant_id, values), logged,
+                                      checkpoint=checkpoint)
     if last_seq is None:
         return False
     was = task.status
@@ -91,68 +96,128 @@ def _move(
     return True
 
 
-def _update_reserving_seqs(rows: QuerySet[Task], values: dict[str, Any], events: list[TaskEvent], *,
-                           checkpoint: Checkpoint | None = None) -> int | None:
-    """The transition's UPDATE, which also reserves the seqs of `events` on the row it changes (one
-    statement where an UPDATE and then a seq bump were two) and, when it wins, writes them and `checkpoint`.
-    Returns the last seq reserved (the row's seq if there are no events), or None when the guard matched no
-    row. `events` come numbered from 1 and leave numbered for good.
+def commits_alone(events: list[NewEvent]) -> bool:
+    """Whether running -> running with `events` may commit as its UPDATE alone, in autocommit: on PostgreSQL
+    the statement writes the checkpoint and the events too, and that move writes nothing else (no status
+    changes, no slot is freed, nobody is told) unless a listener hears one of the events (webhooks' outbox,
+    whose rows must commit with them). A step's commit then costs no BEGIN and COMMIT round trips."""
+    return connection.vendor == "postgresql" and not heard(event.kind for event in events)
+
+
+def _update_reserving_seqs(match: dict[str, Any], guard: Q | None, values: dict[str, Any], events: list[TaskEvent],
+                           *, checkpoint: Checkpoint | None = None) -> int | None:
+    """The transition's UPDATE of the row whose columns equal `match` (and meets `guard`), which also reserves
+    the seqs of `events` on it (one statement where an UPDATE and then a seq bump were two) and, when it wins,
+    writes them and `checkpoint`. Returns the last seq reserved (the row's seq if there are no events), or
+    None when the guard matched no row. `events` come numbered from 1 and leave numbered for good.
 
     On PostgreSQL the rows are inserted by the same statement, from the UPDATE's RETURNING: the UPDATE, the
-    checkpoint and the events in one round trip. Django's update() cannot return a column, so the same UPDATE
-    is compiled by Django and given a RETURNING clause (PostgreSQL and SQLite 3.35+ both have it); SQLite's
-    WITH cannot hold an INSERT, so there the rows are saved after an UPDATE that won."""
+    checkpoint and the events in one round trip. The statement is written here, its values prepared as
+    update() and save() prepare them, and prepared on the connection (tasks/prepared.py): it is sent at every
+    step, and compiling it through the ORM cost the worker more CPU than the database spent running it.
+    SQLite's WITH cannot hold an INSERT, so there the ORM's UPDATE ... RETURNING goes first and the rows are
+    saved after an UPDATE that won."""
     count = len(events)
     assert [event.seq for event in events] == list(range(1, count + 1)), "the SQL numbers them from their seqs"
-    query = rows.query.chain(UpdateQuery)
-    query.add_update_values({**values, "last_event_seq": F("last_event_seq") + count})
-    sql, params = query.get_compiler(rows.db).as_sql()
     seq = connection.ops.quote_name("last_event_seq")
-    inserts = [group for group in ([checkpoint] if checkpoint is not None else [], events) if group]
-    in_one = bool(inserts) and connection.vendor == "postgresql"
-    if in_one:
-        ctes = [f"moved AS ({sql} RETURNING {seq})"]
-        for group in inserts:
-            insert, inserted = _insert_if_moved(group, reserved=count)
-            ctes.append(f"saved_{group[0]._meta.model_name} AS ({insert})")
-            params = [*params, *inserted]
-        sql = f"WITH {', '.join(ctes)} SELECT {seq} FROM moved"
-    else:
-        sql = f"{sql} RETURNING {seq}"
+    if connection.vendor != "postgresql":
+        return _update_then_save(match, guard, values, events, checkpoint=checkpoint)
+    sql, params = _fenced_update(match, guard, values, reserved=count)
+    ctes = [f"moved AS ({sql} RETURNING {seq})"]
+    for group in ([checkpoint] if checkpoint is not None else [], events):
+        if group:
+            model = type(group[0])
+            ctes.append(f"saved_{model._meta.model_name} AS ({_insert_if_moved(model, len(group), reserved=count)})")
+            params.extend(typed_sql.insert_params(model, _inserted_fields(model), group))
+    row = prepared.fetchone(f"WITH {', '.join(ctes)} SELECT {seq} FROM moved", params)
+    if row is None:
+        return None
+    last = row[0]
+    for event in events:
+        event.seq += last - count
+    return last
+
+
+def _fenced_update(match: dict[str, Any], guard: Q | None, values: dict[str, Any], *,
+                   reserved: int) -> tuple[str, list[Any]]:
+    """The UPDATE of the task row whose columns equal `match` (and meets `guard`), setting `values` and
+    reserving `reserved` seqs; the ORM compiles it when a value is more than a parameter."""
+    qn = connection.ops.quote_name
+    seq = qn("last_event_seq")
+    written = typed_sql.set_items(Task, values)
+    if written is None:
+        query = _matching(match, guard).query.chain(UpdateQuery)
+        query.add_update_values({**values, "last_event_seq": F("last_event_seq") + reserved})
+        sql, compiled = query.get_compiler(connection=connection).as_sql()
+        return sql, list(compiled)
+    items, params = written
+    items.append(f"{seq} = {seq} + %s")
+    params.append(reserved)
+    conditions = []
+    for name, value in match.items():
+        field = Task._meta.get_field(name)
+        conditions.append(f"{qn(Task._meta.db_table)}.{qn(field.column)} = %s")
+        params.append(field.get_db_prep_value(value, connection))
+    if guard is not None:
+        condition, guard_params = _guard_sql(guard)
+        conditions.append(condition)
+        params.extend(guard_params)
+    return (f"UPDATE {qn(Task._meta.db_table)} SET {', '.join(items)} WHERE {' AND '.join(conditions)}",
+            params)
+
+
+@lru_cache(maxsize=16)
+def _guard_sql(guard: Q) -> tuple[str, tuple[Any, ...]]:
+    """`guard` as the ORM writes it in a WHERE on the task table (columns named with the table's name)."""
+    query = Task.objects.filter(guard).query
+    assert list(query.alias_map) == [Task._meta.db_table], f"a guard on the task row alone: {guard}"
+    sql, params = query.get_compiler(connection=connection).compile(query.where)
+    return sql, tuple(params)
+
+
+def _matching(match: dict[str, Any], guard: Q | None) -> QuerySet[Task]:
+    rows = Task.objects.filter(**match)
+    return rows if guard is None else rows.filter(guard)
+
+
+def _update_then_save(match: dict[str, Any], guard: Q | None, values: dict[str, Any], events: list[TaskEvent],
+                      *, checkpoint: Checkpoint | None) -> int | None:
+    """_update_reserving_seqs where a WITH cannot hold an INSERT (SQLite): the ORM's UPDATE ... RETURNING
+    (SQLite 3.35+ has it), then the rows, saved when it won."""
+    count = len(events)
+    query = _matching(match, guard).query.chain(UpdateQuery)
+    query.add_update_values({**values, "last_event_seq": F("last_event_seq") + count})
+    sql, params = query.get_compiler(connection=connection).as_sql()
     with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+        cursor.execute(f"{sql} RETURNING {connection.ops.quote_name('last_event_seq')}", params)
         row = cursor.fetchone()
     if row is None:
         return None
     last = row[0]
     for event in events:
         event.seq += last - count
-    if not in_one:
-        if checkpoint is not None:
-            checkpoint.save(force_insert=True)
-        if events:
-            TaskEvent.objects.bulk_create(events)
+    if checkpoint is not None:
+        checkpoint.save(force_insert=True)
+    if events:
+        TaskEvent.objects.bulk_create(events)
     return last
 
 
-def _insert_if_moved(rows: list[Checkpoint] | list[TaskEvent], *, reserved: int) -> tuple[str, list[Any]]:
-    """`rows`' INSERT as Django compiles it (their values prepared and sealed as save() would), made an INSERT ...
-    SELECT from the `moved` row of the statement it joins, so it writes only when the UPDATE won. An event's seq
-    is the one its number (1..`reserved`) takes among the seqs the UPDATE reserved.
+def _inserted_fields(model: type[Checkpoint] | type[TaskEvent]) -> list[Field]:
+    return [field for field in model._meta.local_concrete_fields if not field.primary_key]
+
+
+@lru_cache(maxsize=64)
+def _insert_if_moved(model: type[Checkpoint] | type[TaskEvent], count: int, *, reserved: int) -> str:
+    """An INSERT of `count` rows of `model` (their values typed_sql.insert_params's, a row after another), made
+    an INSERT ... SELECT from the `moved` row of the statement it joins, so it writes only when the UPDATE won.
+    An event's seq is the one its number (1..`reserved`) takes among the seqs the UPDATE reserved.
 
     The values are typed by casts (tasks/typed_sql.py). Checkpoint's and TaskEvent's alone: their columns are
     numbers, times, JSON and short texts. A column with a database default or a parent model's would need more
     than this."""
-    model = type(rows[0])
     assert model in (Checkpoint, TaskEvent), model
-    fields = [field for field in model._meta.local_concrete_fields if not field.primary_key]
-    params: list[Any] = []
-    for row in rows:  # a row at a time: Django compiles several as UNNEST's arrays on PostgreSQL
-        query = InsertQuery(model)
-        query.insert_values(fields, [row])
-        [(_, prepared)] = query.get_compiler(connection=connection).as_sql()
-        assert len(prepared) == len(fields), "one parameter a column (no expression among the values)"
-        params.extend(prepared)
+    fields = _inserted_fields(model)
 
     def value(field: Field) -> str:
         if model is TaskEvent and field.attname == "seq":
@@ -162,7 +227,7 @@ def _insert_if_moved(rows: list[Checkpoint] | list[TaskEvent], *, reserved: int)
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
     select = f"SELECT {', '.join(value(field) for field in fields)} FROM moved"
     table = connection.ops.quote_name(model._meta.db_table)
-    return f"INSERT INTO {table} ({columns}) {' UNION ALL '.join([select] * len(rows))}", list(params)
+    return f"INSERT INTO {table} ({columns}) {' UNION ALL '.join([select] * count)}"
 
 
 def _close_pending_operations(task: Task, *, now: datetime) -> None:
@@ -260,13 +325,13 @@ def claim(task: Task, *, owner: str, now: datetime, expires_at: datetime) -> boo
 def commit_step(
     task: Task, *, token: int, now: datetime, keep_lease: bool, events: list[NewEvent], result: Any = None,
     due_at: datetime | None = None, tracking_degraded: bool | None = None, step_done: bool = True,
-    guard: Q | None = None, checkpoint: Checkpoint | None = None,
+    guard: Q | None = None, checkpoint: Checkpoint | None = None, alone: bool = False,
 ) -> bool:
     """running -> running: a step's checkpoint is committed; the next step is due now (or at `due_at`,
     a remote job's next poll). `step_done=False`: a poll that changed nothing, so no checkpoint was
     written and no step is counted. `tracking_degraded` sets or clears the remote-tracking flag.
     `guard`: a further condition on the row (NO_STOP_REQUESTED). `checkpoint`: the step's, written by
-    the same statement as the move (when it wins)."""
+    the same statement as the move (when it wins). `alone`: that statement commits by itself (commits_alone)."""
     fields: dict[str, Any] = {
         "current_step": task.current_step + (1 if step_done else 0),
         "attempts": 0,
@@ -279,18 +344,20 @@ def commit_step(
     if result is not None:
         fields.update(result=result, result_version=task.result_version + 1)
     return _stay_running(task, token=token, now=now, fields=fields, events=events,
-                         tracking_degraded=tracking_degraded, guard=guard, checkpoint=checkpoint)
+                         tracking_degraded=tracking_degraded, guard=guard, checkpoint=checkpoint, alone=alone)
 
 
 def _stay_running(task: Task, *, token: int, now: datetime, fields: dict[str, Any], events: list[NewEvent],
-                  tracking_degraded: bool | None, guard: Q | None = None, checkpoint: Checkpoint | None = None) -> bool:
+                  tracking_degraded: bool | None, guard: Q | None = None, checkpoint: Checkpoint | None = None,
+                  alone: bool = False) -> bool:
     """running -> running with `fields`, setting or clearing the remote-tracking flag; a newly degraded
     tracking is news for the task's thread."""
     newly_degraded = bool(tracking_degraded) and not task.tracking_degraded
+    assert not (alone and newly_degraded), "news for the thread is written with the move"
     if tracking_degraded is not None:
         fields["tracking_degraded"] = tracking_degraded
     won = _move(task, S.RUNNING, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
-                guard=guard, checkpoint=checkpoint)
+                guard=guard, checkpoint=checkpoint, alone=alone)
     if won and newly_degraded:
         from tasks import notifications
 

@@ -21,6 +21,38 @@ def typed_param(field: Field) -> str:
     return f"CAST(%s AS {'text' if isinstance(field, CharField) else field.db_type(connection)})"
 
 
+def set_items(model: type[Model], values: dict[str, Any]) -> tuple[list[str], list[Any]] | None:
+    """`values` as an UPDATE's SET items, a typed parameter each, and their parameters, prepared as update()
+    prepares them (a sealed field's value comes as sealed.Sealed); None when update() would write one as SQL
+    of its own (an expression, a model instance, a field's own placeholder), which is the ORM's to compile."""
+    qn = connection.ops.quote_name
+    items, params = [], []
+    for name, value in values.items():
+        field = model._meta.get_field(name)
+        if (hasattr(value, "resolve_expression") or hasattr(value, "prepare_database_save")
+                or hasattr(field, "get_placeholder")):
+            return None
+        prepared = field.get_db_prep_save(value, connection)
+        if hasattr(prepared, "as_sql"):
+            return None
+        items.append(f"{qn(field.column)} = {typed_param(field)}")
+        params.append(prepared)
+    return items, params
+
+
+def insert_params(model: type[Model], fields: Sequence[Field], rows: Sequence[Model]) -> list[Any]:
+    """The parameters of an INSERT of `rows` into `fields`, a row after another, prepared as save() prepares
+    them (pre_save, then get_db_prep_save; sealed fields seal). A value that is an expression is refused."""
+    params: list[Any] = []
+    for row in rows:
+        for field in fields:
+            value = field.pre_save(row, add=True)
+            if hasattr(value, "resolve_expression"):
+                raise ValueError(f"{model.__name__}.{field.name}: an expression, not a value")
+            params.append(field.get_db_prep_save(value, connection))
+    return params
+
+
 def update_each(model: type[Model], rows: Sequence[tuple[Any, dict[str, Any]]]) -> int:
     """Give each row (by primary key) its own values in one UPDATE ... FROM (VALUES ...); returns the rows
     changed. Every row sets the same fields; values are prepared as update() prepares them (a sealed field's

@@ -13,7 +13,7 @@ from django.db import DataError, close_old_connections, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 
-from tasks import actions, clock, events, jobs, kicks, leases, operations, runner, transitions
+from tasks import actions, clock, events, jobs, kicks, leases, operations, runner, sealed, transitions
 from tasks.context import StepContext
 from tasks.drivers import Continue, OpRequest, get_driver
 from tasks.errors import LeaseLost
@@ -23,9 +23,10 @@ from tasks.statuses import TaskStatus
 from tests.factories import submit_sleep
 
 pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, not savepoints
-# The waiting probe, BEGIN, the fenced UPDATE (on PostgreSQL, the same statement writes the checkpoint and the
-# events), COMMIT; SQLite writes the checkpoint and the events with a statement each.
-IN_PLACE_STATEMENTS = {"postgresql": 4, "sqlite": 6}
+# The waiting probe and the fenced UPDATE, which commits alone (on PostgreSQL the same statement writes the
+# checkpoint and the events); SQLite's is a transaction: BEGIN, the UPDATE, the checkpoint and the events with
+# a statement each, COMMIT.
+IN_PLACE_STATEMENTS = {"postgresql": 2, "sqlite": 6}
 # A research step after a kick: the claim (with the checkpoint), the last step's calls; BEGIN, the fenced UPDATE
 # (which writes the checkpoint and the events too), the calls (with a read of their pools' pauses), the gateway
 # kick, COMMIT; the turn's closing look.
@@ -36,17 +37,20 @@ ASKS_FOR_CALLS = Continue({"done": 1, "of": 3}, requests=[OpRequest(kind="tool",
 
 
 def steps_of(queries: list[dict]) -> list[list[str]]:
-    """The statements of each committed transaction, with what ran before it since the last commit."""
-    steps, current = [], []
+    """The statements of each commit (a transaction, or a step's fenced UPDATE committed alone), with what
+    ran before it since the commit before."""
+    steps, current, in_transaction = [], [], False
     for query in queries:
-        current.append(query["sql"])
-        if query["sql"] == "COMMIT":
+        sql = query["sql"]
+        current.append(sql)
+        in_transaction = (in_transaction or sql == "BEGIN") and sql != "COMMIT"
+        if sql == "COMMIT" or (not in_transaction and sql.startswith("WITH moved AS (UPDATE")):
             steps.append(current)
             current = []
     return steps
 
 
-def test_a_step_that_continues_in_place_sends_four_statements_and_one_write_of_its_row(acme, alice, settings):
+def test_a_step_that_continues_in_place_sends_two_statements_and_one_write_of_its_row(acme, alice, settings):
     settings.LONGHAUL_STEP_SLICE_MS = 60_000
     task = submit_sleep(acme, alice, steps=5)
     OrmQ.objects.all().delete()  # nothing waiting: the worker keeps the lease between steps
@@ -69,6 +73,7 @@ def test_a_step_that_continues_in_place_sends_four_statements_and_one_write_of_i
         updates = [sql for sql in statements if sql.startswith(("UPDATE", "WITH moved AS (UPDATE"))]
         assert len(updates) == 1, f"the fence, the step and the event seqs are one UPDATE: {updates}"
         if connection.vendor == "postgresql":
+            assert "BEGIN" not in statements, f"the UPDATE commits alone: {statements}"
             assert 'INSERT INTO "tasks_checkpoint"' in updates[0], f"the checkpoint is the UPDATE's: {statements}"
             assert 'INSERT INTO "tasks_taskevent"' in updates[0], f"and so are the events: {statements}"
     assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1, 2, 3, 4, 5]
@@ -180,20 +185,24 @@ def test_the_events_the_fenced_update_writes_take_the_seqs_it_reserved_sealed_an
     assert held is not None
     before = Task.objects.get(pk=task.pk).last_event_seq
     heard: list[tuple[int, str, dict]] = []
+    in_its_transaction: list[bool] = []
 
     def listener(_task: Task, batch) -> None:
         heard.extend((event.seq, event.kind, event.data) for event in batch)
+        in_its_transaction.append(connection.in_atomic_block)
 
     said = [NewEvent("progress", {"note": "a-marker-only-this-event-holds"}), NewEvent("progress", {"n": 2})]
-    events.on_append(listener)
+    events.on_append(listener, kinds={"progress"})
     try:
         kept = runner._commit(held, held.fencing_token, get_driver("sleep"), Continue({"done": 1, "of": 3},
                               events=said), StepContext(held, token=held.fencing_token), keep_lease=True,
                               state_before={})
     finally:
-        events._listeners.remove(listener)
+        del events._listeners[listener]
 
     assert kept is not None
+    # What a listener writes commits with the events: a step whose events one hears is not committed alone.
+    assert in_its_transaction == [True]
     row = Task.objects.get(pk=task.pk)
     written = TaskEvent.objects.filter(task=task, seq__gt=before).order_by("seq")
     stored = list(written.values_list("seq", "kind", "data"))
@@ -327,6 +336,51 @@ def test_the_claim_and_the_probe_are_planned_once_per_connection(acme, alice):
     kept = {"claim" if "WITH picked" in statement else "probe": plans for statement, plans in rows}
     assert kept.keys() == {"claim", "probe"}, kept
     assert all(plans > 0 for plans in kept.values()), f"a statement is planned again at every call: {kept}"
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_a_steps_commit_is_planned_once_per_connection(acme, alice, settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    task = submit_sleep(acme, alice, steps=9)
+    OrmQ.objects.all().delete()  # nothing waiting: the steps run in place, one commit each
+    connection.close()  # a session of its own: no statement an earlier test prepared
+    jobs.advance(task.pk)
+    assert Task.objects.get(pk=task.pk).status == TaskStatus.SUCCEEDED
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT statement, generic_plans + custom_plans FROM pg_prepared_statements "
+                       "WHERE statement LIKE 'WITH moved AS (UPDATE%%'")
+        rows = cursor.fetchall()
+    # The steps between the first and the last send the same statement (their values are its parameters).
+    assert max((runs for _, runs in rows), default=0) >= 7, rows
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the written UPDATE is PostgreSQL's")
+def test_the_fenced_updates_values_are_stored_as_update_stores_them(acme, alice, settings):
+    settings.LONGHAUL_ENCRYPT_AT_REST = True
+    by_orm, by_hand = submit_sleep(acme, alice, steps=3), submit_sleep(acme, alice, steps=3)
+    now = clock.now()
+    values = {"result": {"answer": "forty-two", "n": [1, 2]}, "result_version": 3, "lease_owner": "",
+              "lease_expires_at": None, "next_run_at": now, "waiting_reason": "model", "tracking_degraded": True,
+              "attempts": 0, "stalled_at": None, "remote_poll_error": "a note", "status": TaskStatus.RUNNING}
+    sealed_values = sealed.wrap(Task, acme.pk, values)
+    Task.objects.filter(pk=by_orm.pk).update(**sealed_values)
+    sql, params = transitions._fenced_update({"id": by_hand.pk, "version": by_hand.version}, transitions.NOT_HELD,
+                                             sealed_values, reserved=0)
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        assert cursor.rowcount == 1
+
+    columns = [Task._meta.get_field(name).column for name in values]
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT id, {', '.join(columns)} FROM {Task._meta.db_table} WHERE id IN (%s, %s)",
+                       [by_orm.pk, by_hand.pk])
+        stored = {row[0]: row[1:] for row in cursor.fetchall()}
+    result_at = list(values).index("result")
+    assert stored[by_hand.pk][:result_at] + stored[by_hand.pk][result_at + 1:] == (
+        stored[by_orm.pk][:result_at] + stored[by_orm.pk][result_at + 1:])
+    assert "forty-two" not in str(stored[by_hand.pk][result_at]), "the result was written in the clear"
+    assert Task.objects.get(pk=by_hand.pk).result == Task.objects.get(pk=by_orm.pk).result == values["result"]
 
 
 def _other_session():
