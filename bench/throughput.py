@@ -298,7 +298,7 @@ def failed_wakeups(log_dir: Path) -> int:
 # --- the benchmark ---------------------------------------------------------------------
 
 
-def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, solo_tasks: int = 20,
+def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, solo_tasks: int = 20,
         timeout: float = 300) -> h.Report:
     h.migrate_if_needed()
     report = h.Report(
@@ -458,23 +458,24 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 2, 
                  f"{h.percentile(handoff_us, 99):.1f} µs", h.percentile(handoff_us, 99) < WAKEUP_HANDOFF_TARGET_US),
         h.Target("no wake-up errors", f"{wakeup_failures} logged", wakeup_failures == 0),
     ]
-    if peer is not None and lh < dbos_rate:
+    if peer is not None:
         total, partial = _index_counts(Task._meta.db_table)
+        verdict = "stay below" if lh < dbos_rate else "come close to"
         report.notes.append(
-            f"Why Longhaul's steps/s stay below DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
+            f"Why Longhaul's steps/s {verdict} DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step: the probe; "
-            "the fenced commit (BEGIN, its UPDATE, which also writes the checkpoint and the events, and COMMIT); "
-            "the one-statement claim, which also brings the checkpoint and whether the step before asked for calls. "
-            "Each UPDATE of the "
+            "the fenced commit, one UPDATE that also writes the checkpoint and the events and commits alone (no BEGIN "
+            "or COMMIT: transitions.commits_alone); the one-statement claim, which also brings the checkpoint and "
+            "whether the step before asked for calls. Each UPDATE of the "
             f"task row also writes an entry into each of the table's indexes whose condition the row meets ({total} "
             f"indexes, {partial} of them partial), since the due time and the lease columns are indexed and no update "
             "is HOT; the write-ahead log a step "
             f"says the same ({h.fmt(lh_wal, 0)} bytes against DBOS's {h.fmt(dbos_wal, 0)}). "
-            "A DBOS step writes one row. "
-            "What would close it: the lease and due-time columns in a "
-            "narrow table of their own, and several tasks' steps committed together (one BEGIN, one COMMIT and one "
-            "flush of the write-ahead log for a batch of steps).")
-    if peer is not None and e2e_p50 > queued_p50:
+            "A DBOS step writes one row. On this shared 2-core machine the ratio moves by about 20% from run to run "
+            "(both sides' rounds vary). "
+            "What would open a clear lead: the lease and due-time columns in a "
+            "narrow table of their own (HOT updates of the task row), and several tasks' steps committed together "
+            "(one flush of the write-ahead log for a batch of steps).")
         report.notes.append(
             f"Why one task alone takes longer: its 5 steps take about {5 * p50_gap:.0f} ms ({p50_gap:.1f} ms each). "
             f"The rest of its {e2e_p50:.0f} ms is django-q2 taking its first kick from the broker (its pusher wakes "
@@ -488,7 +489,7 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=100)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of each side; the median is reported (the machine is shared: rounds vary)")
     parser.add_argument("--solo", type=int, default=20, help="5-step tasks run one at a time")
     parser.add_argument("--timeout", type=float, default=300, help="seconds allowed for one phase")
     args = parser.parse_args()
