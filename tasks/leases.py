@@ -16,7 +16,7 @@ from django.db import connection, transaction
 from django.db.models import Field, Q, QuerySet
 from django.db.models.sql import Query
 
-from tasks import prepared, transitions
+from tasks import prepared, sealed, transitions
 from tasks.errors import LeaseLost
 from tasks.models import AdmissionRecord, Checkpoint, Operation, Task
 from tasks.statuses import CLAIMABLE, TaskStatus
@@ -85,6 +85,7 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     picked = _task_of(row)
     claimed, *checkpoint, calls_asked = row[len(_TASK_FIELDS):]
     if claimed:
+        sealed.remember_tenant(Task, picked.pk, picked.tenant_id)  # the checkpoint's check of its tenant reads it
         picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked)
         return picked
     # A retry or a takeover: transitions.claim writes its event.

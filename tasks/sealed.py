@@ -273,11 +273,20 @@ def _tenant_of_row(model_label: str, pk: int) -> int:
     found = _row_tenants.get((model_label, pk))
     if found is None:
         found = apps.get_model(model_label).objects.values_list("tenant_id", flat=True).get(pk=pk)
-
-        def remember() -> None:
-            if len(_row_tenants) >= ROW_TENANTS_KEPT:
-                _row_tenants.clear()
-            _row_tenants[(model_label, pk)] = found
-
-        transaction.on_commit(remember)  # at once outside a transaction
+        _remember(model_label, pk, found)
     return found
+
+
+def remember_tenant(model: type[models.Model], pk: int, tenant_id: int) -> None:
+    """A row's tenant, as a read of the row just said (a worker's claim of a task, which then opens the
+    task's checkpoint): its children's content is then opened without asking the database again."""
+    _remember(model._meta.label, pk, tenant_id)
+
+
+def _remember(model_label: str, pk: int, tenant_id: int) -> None:
+    def remember() -> None:
+        if len(_row_tenants) >= ROW_TENANTS_KEPT:
+            _row_tenants.clear()
+        _row_tenants[(model_label, pk)] = tenant_id
+
+    transaction.on_commit(remember)  # at once outside a transaction

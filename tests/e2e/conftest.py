@@ -98,8 +98,9 @@ def server(django_db_setup: None, mcp_server: Path) -> Iterator[str]:
 
 
 # The worker the tests share: offline research slow enough to watch its phases, debug
-# drivers for the test tasks ("run a test task of N steps"), and no step slicing.
-WORKER_ENV = {"LONGHAUL_OFFLINE_LATENCY_MS": "150", "LONGHAUL_DEBUG_DRIVERS": "1", "LONGHAUL_STEP_SLICE_MS": "0"}
+# drivers for the test tasks ("run a test task of N steps"), and no step slicing. At 150 ms a model
+# call a research task ran for about a second, and a page still loading could miss it running.
+WORKER_ENV = {"LONGHAUL_OFFLINE_LATENCY_MS": "400", "LONGHAUL_DEBUG_DRIVERS": "1", "LONGHAUL_STEP_SLICE_MS": "0"}
 
 
 @pytest.fixture(scope="session")

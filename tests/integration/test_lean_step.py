@@ -118,6 +118,24 @@ def test_the_claim_brings_the_latest_checkpoint_as_a_read_of_it_would(acme, alic
     assert claimed.resume.calls_asked is False
 
 
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_a_worker_that_claims_a_task_opens_its_sealed_checkpoint_without_asking_its_tenant_again(
+        acme, alice, settings):
+    settings.LONGHAUL_ENCRYPT_AT_REST = True
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+    task = submit_sleep(acme, alice, steps=4)
+    jobs.advance(task.pk)
+    Task.objects.filter(pk=task.pk).update(lease_owner="", next_run_at=clock.now())
+    sealed._row_tenants.clear()  # a worker process that has not seen this task yet
+
+    with CaptureQueriesContext(connection) as queries:
+        claimed = leases.claim(task.pk, owner="worker-b", now=clock.now())
+
+    assert claimed is not None and claimed.resume.checkpoint.state == {"done": 1, "of": 4}
+    statements = [query["sql"] for query in queries.captured_queries]
+    assert len(statements) == 1, f"the claim alone: its row said the tenant the checkpoint is sealed for: {statements}"
+
+
 @pytest.mark.parametrize("outcome", [MOVES_ON, ASKS_FOR_CALLS], ids=["moves on", "asks for calls"])
 def test_a_stop_asked_for_during_the_step_is_honoured_by_the_locked_commit(acme, alice, settings, outcome):
     settings.LONGHAUL_STEP_SLICE_MS = 60_000
