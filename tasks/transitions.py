@@ -142,6 +142,7 @@ def _fenced_update(match: dict[str, Any], guard: Q | None, values: dict[str, Any
                    reserved: int) -> tuple[str, list[Any]]:
     """The UPDATE of the task row whose columns equal `match` (and meets `guard`), setting `values` and
     reserving `reserved` seqs; the ORM compiles it when a value is more than a parameter."""
+    assert "last_event_seq" not in values, "the seqs are reserved here, never set"
     qn = connection.ops.quote_name
     seq = qn("last_event_seq")
     written = typed_sql.set_items(Task, values)
@@ -166,12 +167,21 @@ def _fenced_update(match: dict[str, Any], guard: Q | None, values: dict[str, Any
             params)
 
 
-@lru_cache(maxsize=16)
+# Guards without parameters (NO_STOP_REQUESTED, NOT_HELD: the module's own constants) -> their SQL. A guard
+# with a parameter (a time) is a new one at each call, and is compiled each time.
+_GUARDS: dict[Q, str] = {}
+
+
 def _guard_sql(guard: Q) -> tuple[str, tuple[Any, ...]]:
     """`guard` as the ORM writes it in a WHERE on the task table (columns named with the table's name)."""
+    known = _GUARDS.get(guard)
+    if known is not None:
+        return known, ()
     query = Task.objects.filter(guard).query
     assert list(query.alias_map) == [Task._meta.db_table], f"a guard on the task row alone: {guard}"
     sql, params = query.get_compiler(connection=connection).compile(query.where)
+    if not params:
+        _GUARDS[guard] = sql
     return sql, tuple(params)
 
 
