@@ -14,7 +14,7 @@ from functools import lru_cache
 from typing import Any
 
 from django.db import connection
-from django.db.models import F, Field, Q, QuerySet
+from django.db.models import F, Field, Q
 from django.db.models.sql.subqueries import UpdateQuery
 
 from tasks import admission_records, prepared, sealed, typed_sql
@@ -147,10 +147,7 @@ def _fenced_update(match: dict[str, Any], guard: Q | None, values: dict[str, Any
     seq = qn("last_event_seq")
     written = typed_sql.set_items(Task, values)
     if written is None:
-        query = _matching(match, guard).query.chain(UpdateQuery)
-        query.add_update_values({**values, "last_event_seq": F("last_event_seq") + reserved})
-        sql, compiled = query.get_compiler(connection=connection).as_sql()
-        return sql, list(compiled)
+        return _orm_update(match, guard, values, reserved=reserved)
     items, params = written
     items.append(f"{seq} = {seq} + %s")
     params.append(reserved)
@@ -185,9 +182,16 @@ def _guard_sql(guard: Q) -> tuple[str, tuple[Any, ...]]:
     return sql, tuple(params)
 
 
-def _matching(match: dict[str, Any], guard: Q | None) -> QuerySet[Task]:
+def _orm_update(match: dict[str, Any], guard: Q | None, values: dict[str, Any], *,
+                reserved: int) -> tuple[str, list[Any]]:
+    """The same UPDATE as the ORM compiles it (update() cannot return a column: the caller adds RETURNING)."""
     rows = Task.objects.filter(**match)
-    return rows if guard is None else rows.filter(guard)
+    if guard is not None:
+        rows = rows.filter(guard)
+    query = rows.query.chain(UpdateQuery)
+    query.add_update_values({**values, "last_event_seq": F("last_event_seq") + reserved})
+    sql, params = query.get_compiler(connection=connection).as_sql()
+    return sql, list(params)
 
 
 def _update_then_save(match: dict[str, Any], guard: Q | None, values: dict[str, Any], events: list[TaskEvent],
@@ -195,9 +199,7 @@ def _update_then_save(match: dict[str, Any], guard: Q | None, values: dict[str, 
     """_update_reserving_seqs where a WITH cannot hold an INSERT (SQLite): the ORM's UPDATE ... RETURNING
     (SQLite 3.35+ has it), then the rows, saved when it won."""
     count = len(events)
-    query = _matching(match, guard).query.chain(UpdateQuery)
-    query.add_update_values({**values, "last_event_seq": F("last_event_seq") + count})
-    sql, params = query.get_compiler(connection=connection).as_sql()
+    sql, params = _orm_update(match, guard, values, reserved=count)
     with connection.cursor() as cursor:
         cursor.execute(f"{sql} RETURNING {connection.ops.quote_name('last_event_seq')}", params)
         row = cursor.fetchone()
