@@ -431,12 +431,12 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
         ["step", "statements"],
         [
             ["a step run in place (the worker kept the lease): probe for waiting work, the fenced commit", kept],
-            [("a step when the worker goes on to the task due longest (no broker): probe, fenced commit, claim from the "
-              f"task table (which brings the checkpoint and whether calls are out); {TASKS_GOING_ON} tasks of {steps} "
-              "steps"),
+            [("a step when the worker goes on to the task due longest (no broker): the claim from the task table (which "
+              "brings the checkpoint, whether calls are out and what else waits, the probe's answer), the fenced commit; "
+              f"{TASKS_GOING_ON} tasks of {steps} steps, their ends and the turn's first claim and last look included"),
              f"mean {switching_statements:.1f}"],
-            [("a step after a kick: claim (with the checkpoint and whether calls are out), probe, fenced commit, "
-              "next kick"), f"median {h.median(statements):.0f} (min {min(statements)}, max {max(statements)})"],
+            [("a step after a kick: claim (with the checkpoint, whether calls are out and what else waits), fenced "
+              "commit, next kick"), f"median {h.median(statements):.0f} (min {min(statements)}, max {max(statements)})"],
         ]))
     report.add("Wake-ups", h.table(
         ["measure", "p50", "p99", "samples"],
@@ -463,10 +463,11 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
         verdict = "stay below" if lh < dbos_rate else "come close to"
         report.notes.append(
             f"Why Longhaul's steps/s {verdict} DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
-            f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step: the probe; "
-            "the fenced commit, one UPDATE that also writes the checkpoint and the events and commits alone (no BEGIN "
-            "or COMMIT: transitions.commits_alone); the one-statement claim, which also brings the checkpoint and "
-            "whether the step before asked for calls. Each UPDATE of the "
+            f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step (each task's "
+            "end included): the one-statement claim, which also brings the checkpoint, whether the step before asked "
+            "for calls and what else waits for a worker (so the step after it sends no probe of its own); the fenced "
+            "commit, one UPDATE that also writes the checkpoint and the events and commits alone (no BEGIN or COMMIT: "
+            "transitions.commits_alone). Each UPDATE of the "
             f"task row also writes an entry into each of the table's indexes whose condition the row meets ({total} "
             f"indexes, {partial} of them partial), since the due time and the lease columns are indexed and no update "
             "is HOT; the write-ahead log a step "

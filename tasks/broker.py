@@ -23,10 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import zlib
+from datetime import datetime
+from functools import lru_cache
 from time import monotonic, sleep
 from typing import Any
 
 from django.utils import timezone
+from django_q.brokers import get_broker
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
 from django_q.models import OrmQ
@@ -37,6 +41,14 @@ STEPS_SUFFIX = ":steps"
 GATEWAY_SUFFIX = ":gateway"
 LISTEN_WAIT_SECONDS = 1.0  # the longest a listening pusher waits on an empty queue (unless POLL is longer)
 DUE_MARGIN_SECONDS = 0.01  # a wait's timeout may end a millisecond early: wake once the row is due, not just before
+# The session advisory lock a gateway job holds while it claims calls (tasks/operations.py).
+GATEWAY_TURN_KEY = zlib.crc32(b"longhaul-gateway-turn")
+# While a gateway job holds the turn (PostgreSQL's advisory lock, which pg_locks lists), it hears the calls
+# steps request: their gateway kicks are only hints. SQLite has no such lock; a gateway kick always counts.
+TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s "
+             "AND objsubid = 1 AND granted "
+             # Advisory locks are the server's: another database's gateway job holds another turn.
+             "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))")
 
 
 def steps_key(cluster: str) -> str:
@@ -47,6 +59,27 @@ def steps_key(cluster: str) -> str:
 def gateway_key(cluster: str) -> str:
     """The broker key of `cluster`'s gateway kicks."""
     return f"{cluster}{GATEWAY_SUFFIX}"
+
+
+@lru_cache(maxsize=1)
+def own_queue() -> str:
+    """The queue this process's cluster takes work from."""
+    return get_broker().list_key
+
+
+def jobs_waiting_sql(*, postgresql: bool) -> str:
+    """A query with a row when work a worker running steps should make way for is due: a job under this
+    cluster's own key (a delivery, a sweep), or a gateway kick that no job holding the turn hears. One pass
+    over the broker's rows for both keys (the turn is looked up once, if a gateway kick waits). Its
+    parameters: jobs_waiting_params()."""
+    turn_free = TURN_FREE if postgresql else "1 = 1"
+    return (f"SELECT 1 FROM {OrmQ._meta.db_table} WHERE lock <= %s "
+            f"AND (key = %s OR (key = %s AND {turn_free})) LIMIT 1")
+
+
+def jobs_waiting_params(now: datetime, *, postgresql: bool) -> tuple:
+    queue = own_queue()
+    return (now, queue, gateway_key(queue), *((GATEWAY_TURN_KEY,) if postgresql else ()))
 
 
 class Broker(ORM):

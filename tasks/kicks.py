@@ -13,23 +13,19 @@ those for calls that the gateway job holding the turn has heard of already.
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Iterable
-from dataclasses import dataclass
 from datetime import datetime
-from functools import lru_cache
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connection, transaction
 from django.utils import timezone
-from django_q.brokers import get_broker
 from django_q.humanhash import uuid as q_uuid
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
 from tasks import leases, prepared
-from tasks.broker import gateway_key, steps_key
+from tasks.broker import GATEWAY_TURN_KEY, TURN_FREE, gateway_key, jobs_waiting_params, jobs_waiting_sql, steps_key
 from tasks.models import Task
 
 # Job name -> the function a worker runs, by dotted path. Apps built on tasks add theirs
@@ -45,16 +41,6 @@ QUEUES: dict[str, str] = {}
 STEP_JOBS = frozenset({"advance"})
 # Jobs whose kicks are hints for a gateway job: none is needed while one holds the turn.
 GATEWAY_JOBS = frozenset({"operations"})
-# The session advisory lock a gateway job holds while it claims calls (tasks/operations.py).
-GATEWAY_TURN_KEY = zlib.crc32(b"longhaul-gateway-turn")
-# While a gateway job holds the turn (PostgreSQL's advisory lock, which pg_locks lists), it hears the calls
-# steps request: their gateway kicks are only hints. SQLite has no such lock; a gateway kick always counts.
-_TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s "
-              "AND objsubid = 1 AND granted "
-              # Advisory locks are the server's: another database's gateway job holds another turn.
-              "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))")
-
-
 def register_job(name: str, dotted_path: str, *, queue: str | None = None) -> None:
     """Let kick(name, ...) run the function at `dotted_path`; called from an AppConfig.ready().
     `queue`: a queue of its own (a cluster in settings.Q_CLUSTER["ALT_CLUSTERS"]), not the main one."""
@@ -73,12 +59,6 @@ def queue_of(job: str) -> str:
     if job in GATEWAY_JOBS:
         return gateway_key(settings.Q_CLUSTER["name"])
     return QUEUES.get(job) or settings.Q_CLUSTER["name"]
-
-
-@lru_cache(maxsize=1)
-def _queue_key() -> str:
-    """The queue this process's cluster takes work from."""
-    return get_broker().list_key
 
 
 def kick(job: str, task_id: int, *, at: datetime | None = None) -> int:
@@ -119,7 +99,7 @@ def kick_calls(task_id: int, *, at: datetime) -> None:
 def _kick_unless_turn_held(row: OrmQ) -> None:
     with connection.cursor() as cursor:
         cursor.execute(f"INSERT INTO {OrmQ._meta.db_table} (key, payload, lock) SELECT %s, %s, %s "
-                       f"WHERE {_TURN_FREE}", [row.key, row.payload, row.lock, GATEWAY_TURN_KEY])
+                       f"WHERE {TURN_FREE}", [row.key, row.payload, row.lock, GATEWAY_TURN_KEY])
 
 
 def _message(job: str, task_id: int, *, at: datetime | None, now: datetime) -> OrmQ:
@@ -143,20 +123,11 @@ def withdraw(kick_id: int) -> None:
     OrmQ.objects.filter(pk=kick_id).delete()
 
 
-@dataclass(frozen=True)
-class Waiting:
-    jobs: bool  # due work in this cluster's own queue (deliveries, sweeps), or a gateway kick nobody hears
-    steps: bool  # another task whose step is due, held by nobody (its kick, if any, is only a hint)
-
-
-def waiting(*, now: datetime, besides: int) -> Waiting:
-    """What waits for a worker that has just run a step of task `besides`: one statement."""
-    turn_free, turn_params = (_TURN_FREE, (GATEWAY_TURN_KEY,)) if connection.vendor == "postgresql" else ("1 = 1", ())
-    # One pass over the broker's rows for both keys (the turn is looked up once, if a gateway kick waits).
-    jobs_sql = (f"SELECT 1 FROM {OrmQ._meta.db_table} WHERE lock <= %s "
-                f"AND (key = %s OR (key = %s AND {turn_free})) LIMIT 1")
-    jobs_params = (now, _queue_key(), gateway_key(_queue_key()), *turn_params)
+def waiting(*, now: datetime, besides: int) -> leases.Waiting:
+    """What waits for a worker that has just run a step of task `besides`: one statement. (A claim brings
+    the same answer for the task it claims: leases.Resume.waiting.)"""
     postgresql = connection.vendor == "postgresql"
+    jobs_sql, jobs_params = jobs_waiting_sql(postgresql=postgresql), jobs_waiting_params(now, postgresql=postgresql)
     if postgresql:
         # Sent at every step a worker runs: prepared, and leases.due() written out as SQL for that.
         steps_sql = f"SELECT 1 FROM {Task._meta.db_table} WHERE {leases.DUE_WHERE} AND id <> %s LIMIT 1"
@@ -170,7 +141,7 @@ def waiting(*, now: datetime, besides: int) -> Waiting:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             found_jobs, found_steps = cursor.fetchone()
-    return Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
+    return leases.Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
 
 
 def kick_advance(task_id: int) -> None:

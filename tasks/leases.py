@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -16,7 +17,7 @@ from django.db import connection, transaction
 from django.db.models import Field, Q, QuerySet
 from django.db.models.sql import Query
 
-from tasks import prepared, sealed, transitions
+from tasks import broker, prepared, sealed, transitions
 from tasks.errors import LeaseLost
 from tasks.models import AdmissionRecord, Checkpoint, Operation, Task
 from tasks.statuses import CLAIMABLE, TaskStatus
@@ -65,28 +66,42 @@ def claim_next(*, owner: str, now: datetime) -> Task | None:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """What waits for a worker that has just run a step (tasks/runner.py decides by it whether to go on)."""
+
+    jobs: bool  # due work in this cluster's own queue (deliveries, sweeps), or a gateway kick nobody hears
+    steps: bool  # another task whose step is due, held by nobody (its kick, if any, is only a hint)
+
+
+@dataclass(frozen=True)
 class Resume:
     """What a step resumed from the database reads first, read by the statement that claimed its task
     (Task.resume): the task's latest checkpoint, and whether the step before asked for any call (when
-    it did not, there are no outcomes to read and nothing to wait for)."""
+    it did not, there are no outcomes to read and nothing to wait for). Beside them, what else waited for
+    a worker at the claim (kicks.waiting's answer) and when (time.monotonic()): a short step reads it
+    instead of asking again before its commit (tasks/runner.py)."""
 
     checkpoint: Checkpoint | None
     calls_asked: bool
+    waiting: Waiting | None = None
+    read_at: float = 0.0
 
 
 def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> Task | None:
     """PostgreSQL: the task due longest (or task `task_id`, if due), claimed in one prepared statement
     when nobody held it and it waits for no retry, with its Resume; the full claim otherwise."""
     params = [now, now, *([] if task_id is None else [task_id]),
-              now, owner, now + timedelta(seconds=lease_seconds()), now, now]
+              now, owner, now + timedelta(seconds=lease_seconds()), now, now,
+              *broker.jobs_waiting_params(now, postgresql=True), now, now]
     row = prepared.fetchone(_claim_next_sql(one=task_id is not None), params)
     if row is None:
         return None
     picked = _task_of(row)
-    claimed, *checkpoint, calls_asked = row[len(_TASK_FIELDS):]
+    claimed, *checkpoint, calls_asked, jobs, steps = row[len(_TASK_FIELDS):]
     if claimed:
         sealed.remember_tenant(Task, picked.pk, picked.tenant_id)  # the checkpoint's check of its tenant reads it
-        picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked)
+        picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked,
+                                   waiting=Waiting(jobs=jobs, steps=steps))
         return picked
     # A retry or a takeover: transitions.claim writes its event.
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now, wait=task_id is not None)
@@ -97,8 +112,9 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
 # when nobody held it and it waits for no retry (no takeover, no retry: no event to write) it is claimed as
 # transitions.claim would, its first claim also recording in its admission record when it started, and returned
 # claimed, beside what its step reads first (its latest checkpoint, and whether the step before asked for
-# calls); otherwise it is returned as it is, for the full claim. The task's columns are named, in the model's
-# order (tasks/prepared.py says why not `*`).
+# calls), and what else waits for a worker (kicks.waiting's two questions, the claimed task left out);
+# otherwise it is returned as it is, for the full claim. The task's columns are named, in the model's order
+# (tasks/prepared.py says why not `*`).
 _CLAIM_NEXT = """
 WITH picked AS (
     SELECT id, (status = {running} AND lease_owner = '') AS plain
@@ -117,12 +133,14 @@ WITH picked AS (
     WHERE a.task_id = taken.id AND a.started_at IS NULL AND taken.current_step = 0 AND taken.attempts = 1
 )
 SELECT {columns_of_taken}, true, {columns_of_cp},
-    EXISTS (SELECT 1 FROM {operation} o WHERE o.task_id = taken.id AND o.step = taken.current_step - 1)
+    EXISTS (SELECT 1 FROM {operation} o WHERE o.task_id = taken.id AND o.step = taken.current_step - 1),
+    EXISTS ({jobs_waiting}),
+    EXISTS (SELECT 1 FROM {task} d WHERE {due} AND d.id <> taken.id LIMIT 1)
 FROM taken LEFT JOIN LATERAL (
     SELECT {columns_of_c} FROM {checkpoint} c
     WHERE c.task_id = taken.id ORDER BY c.step DESC LIMIT 1) cp ON true
 UNION ALL
-SELECT {columns_of_t}, false, {no_checkpoint}, NULL
+SELECT {columns_of_t}, false, {no_checkpoint}, NULL, NULL, NULL
 FROM {task} t JOIN picked ON picked.id = t.id WHERE NOT picked.plain
 """
 _TASK_FIELDS = tuple(Task._meta.concrete_fields)
@@ -140,6 +158,7 @@ def _claim_next_sql(*, one: bool) -> str:
     return _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
                               admission=AdmissionRecord._meta.db_table,
                               operation=Operation._meta.db_table, running=f"'{TaskStatus.RUNNING.value}'",
+                              jobs_waiting=broker.jobs_waiting_sql(postgresql=True),
                               due=DUE_WHERE, only="AND id = %s" if one else "",
                               skip_locked="" if one else "SKIP LOCKED", columns_of_t=columns("t"),
                               columns_of_taken=columns("taken"), columns_of_c=columns("c", _CHECKPOINT_FIELDS),
@@ -167,18 +186,19 @@ def _converters(model: type, fields: tuple[Field, ...]) -> dict[int, tuple[list,
     return compiler.get_converters([field.get_col(model._meta.db_table) for field in fields])
 
 
-def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool) -> Resume:
+def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool, waiting: Waiting) -> Resume:
     """What the claim read beside the row: the checkpoint's columns (all NULL when it has none yet), through
     the fields' converters (its sealed state opened as a read would)."""
+    read_at = time.monotonic()
     if checkpoint[0] is None:
-        return Resume(checkpoint=None, calls_asked=calls_asked)
+        return Resume(checkpoint=None, calls_asked=calls_asked, waiting=waiting, read_at=read_at)
     values = dict(zip((field.attname for field in _CHECKPOINT_FIELDS),
                       _converted(Checkpoint, _CHECKPOINT_FIELDS, checkpoint), strict=True))
     values["task_id"] = task.pk
     # In the model's column order, as from_db takes them (a column added to Checkpoint fails here, loudly).
     names = [field.attname for field in Checkpoint._meta.concrete_fields]
     return Resume(checkpoint=Checkpoint.from_db(connection.alias, names, [values[name] for name in names]),
-                  calls_asked=calls_asked)
+                  calls_asked=calls_asked, waiting=waiting, read_at=read_at)
 
 
 def _claim(rows: QuerySet[Task], *, owner: str, now: datetime, wait: bool = False) -> Task | None:

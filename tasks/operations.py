@@ -46,7 +46,7 @@ from django.db.models import BooleanField, Case, Count, F, OuterRef, Q, QuerySet
 from django.db.models.functions import RowNumber
 from django.db.models.sql.subqueries import InsertQuery
 
-from tasks import clock, drain, events, kicks, leases, pools, requested, sealed, transitions, typed_sql
+from tasks import broker, clock, drain, events, kicks, leases, pools, requested, sealed, transitions, typed_sql
 from tasks.budgets import Budget
 from tasks.context import digest
 from tasks.drain import draining
@@ -234,7 +234,7 @@ def first_due(task_id: int, step: int, now: datetime) -> datetime:
 
 
 # One gateway job claims at a time, per database: the key of its session advisory lock.
-GATEWAY_TURN_KEY = kicks.GATEWAY_TURN_KEY
+GATEWAY_TURN_KEY = broker.GATEWAY_TURN_KEY
 
 
 def take_gateway_turn() -> bool:

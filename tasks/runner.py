@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 DEFER_FOR = timedelta(seconds=60)
 ALREADY_TRACKED = "this remote task is already tracked by another of your tasks"
 MAX_REMOTE_ERROR_CHARS = 4000  # a remote task's last poll or cancel error, as stored
+CLAIM_ANSWER_STANDS = 0.05  # seconds: a claim's look at what else waits stands for a step this short
 
 
 @dataclass
@@ -69,7 +70,7 @@ class Turn:
 
     owner: str
     ends: float  # time.monotonic() when the worker goes back to the broker
-    waiting: kicks.Waiting | None = None  # what the last step's probe found (None: it did not probe)
+    waiting: leases.Waiting | None = None  # what the last step's probe found (None: it did not probe)
     handed_on: bool = False  # the last step released its task with a kick, which carries the work on
 
     def lasts(self) -> bool:
@@ -196,12 +197,23 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
     # The task's next step: in place when nothing else waits; at the back of the line, with no kick, when
     # other tasks' steps are due (this worker goes on to the task due longest); else by a kick.
     if isinstance(outcome, Continue) and turn.lasts():
-        turn.waiting = kicks.waiting(now=clock.now(), besides=task.pk)
+        turn.waiting = _claim_still_says(resume) or kicks.waiting(now=clock.now(), besides=task.pk)
     going_on = turn.waiting is not None and not turn.waiting.jobs
     kept = _commit(task, token, driver, outcome, ctx, keep_lease=going_on and not turn.waiting.steps,
                    hand_on=None if going_on else turn.hand_on, state_before=state)
     # What a step resumed from the database would read: JSON, so a step run in place sees the same types.
     return kept, (json.loads(json.dumps(outcome.state)) if kept is not None else None)
+
+
+def _claim_still_says(resume: leases.Resume | None) -> leases.Waiting | None:
+    """What the claim of this step's task found waiting besides it, if the claim was a moment ago: the step
+    commits by that answer instead of asking again. It is as stale as a step is long; a step longer than
+    CLAIM_ANSWER_STANDS asks again. Stale, it costs one step: a job that came meanwhile waits for this
+    worker's next look (the step in place after this one asks; the next claim answers again), and a step
+    thought due that another worker took leaves this one to take the next due task or end its turn."""
+    if resume is None or resume.waiting is None or time.monotonic() - resume.read_at > CLAIM_ANSWER_STANDS:
+        return None
+    return resume.waiting
 
 
 def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,

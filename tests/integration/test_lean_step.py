@@ -5,15 +5,17 @@ reading the last step's calls once."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from datetime import timedelta
 
+import psycopg
 import pytest
 from django.db import DataError, close_old_connections, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 
-from tasks import actions, clock, events, jobs, kicks, leases, operations, runner, sealed, transitions
+from tasks import actions, clock, events, jobs, kicks, leases, operations, requested, runner, sealed, transitions
 from tasks.context import StepContext
 from tasks.drivers import Continue, OpRequest, get_driver
 from tasks.errors import LeaseLost
@@ -321,7 +323,8 @@ def test_a_tasks_first_claim_is_one_statement_that_records_when_it_started(acme,
     assert claimed is not None and claimed.pk == task.pk
     statements = [query["sql"] for query in queries.captured_queries]
     assert len(statements) == 1, f"a first claim is one statement: {statements}"
-    assert claimed.resume == leases.Resume(checkpoint=None, calls_asked=False)
+    assert (claimed.resume.checkpoint, claimed.resume.calls_asked) == (None, False)
+    assert claimed.resume.waiting == leases.Waiting(jobs=False, steps=False), "nothing else waits"
     read = Task.objects.get(pk=task.pk)
     assert (read.lease_owner, read.fencing_token, read.attempts) == ("worker-a", task.fencing_token + 1, 1)
     fields = [field.attname for field in Task._meta.concrete_fields]
@@ -335,6 +338,97 @@ def test_a_tasks_first_claim_is_one_statement_that_records_when_it_started(acme,
     later = now + timedelta(seconds=1)
     assert leases.claim(task.pk, owner="worker-b", now=later) is not None
     assert AdmissionRecord.objects.get(task_id=task.pk).started_at == now
+
+
+def _probes(statements: list[str]) -> list[str]:
+    return [sql for sql in statements if sql.startswith("SELECT EXISTS(")]
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_a_worker_going_on_from_task_to_task_sends_two_statements_a_step(acme, alice, settings, monkeypatch):
+    """The claim of the task due longest also says what else waits, so the step it claimed commits by that
+    answer: the claim, and the fenced UPDATE committed alone."""
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    monkeypatch.setattr(runner, "CLAIM_ANSWER_STANDS", 60.0)  # however slow this machine runs a step
+    tasks = [submit_sleep(acme, alice, steps=3) for _ in range(3)]
+    OrmQ.objects.all().delete()  # no job waits: the worker goes on from task to task
+    with CaptureQueriesContext(connection) as queries:
+        jobs.advance(tasks[0].pk)
+
+    assert set(Task.objects.filter(pk__in=[t.pk for t in tasks]).values_list("status", flat=True)) == {
+        TaskStatus.SUCCEEDED}
+    going_on = [statements for statements in steps_of(queries.captured_queries)
+                if statements[-1].startswith("WITH moved AS (UPDATE")]
+    # Each task's first two steps went on to the task due longest (the third ends its task, in a transaction).
+    assert len(going_on) == 6, going_on
+    for statements in going_on:
+        assert len(statements) == 2 and statements[0].startswith("\nWITH picked AS"), (
+            f"a step going on sends its claim and its commit: {statements}")
+    assert [c.state["done"] for c in Checkpoint.objects.filter(task=tasks[1]).order_by("step")] == [1, 2, 3]
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_a_step_asks_again_what_waits_when_its_claim_is_no_longer_fresh(acme, alice, settings, monkeypatch):
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    monkeypatch.setattr(runner, "CLAIM_ANSWER_STANDS", -1.0)  # every step outlasts it
+    first, _ = submit_sleep(acme, alice, steps=2), submit_sleep(acme, alice, steps=2)
+    OrmQ.objects.all().delete()
+    with CaptureQueriesContext(connection) as queries:
+        jobs.advance(first.pk)
+
+    commits = steps_of(queries.captured_queries)
+    going_on = [statements for statements in commits if statements[-1].startswith("WITH moved AS (UPDATE")]
+    assert going_on and all(len(_probes(statements)) == 1 for statements in going_on), going_on
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_a_job_waiting_at_the_claim_hands_the_next_step_on_with_a_kick(acme, alice, settings, monkeypatch):
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    monkeypatch.setattr(runner, "CLAIM_ANSWER_STANDS", 60.0)
+    task = submit_sleep(acme, alice, steps=3)
+    OrmQ.objects.all().delete()
+    kicks.kick("deliver", 0)  # a job in the cluster's own queue: the worker makes way for it after one step
+    with CaptureQueriesContext(connection) as queries:
+        jobs.advance(task.pk)
+
+    assert not _probes([query["sql"] for query in queries.captured_queries]), "the claim said a job waits"
+    task.refresh_from_db()
+    assert (task.current_step, task.lease_owner) == (1, "")
+    assert OrmQ.objects.filter(key=kicks.queue_of("advance")).count() == 1, "its next step has a kick"
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+@pytest.mark.parametrize("setting", ["nothing", "another due", "another held", "a job", "a gateway kick",
+                                     "a gateway kick, turn held", "a step kick only"])
+def test_the_claims_look_at_what_waits_is_the_probes(acme, alice, setting):
+    """The claim asks kicks.waiting's two questions in its own statement (the claimed task left out): for each
+    kind of work that may wait, its answer is the probe's, asked right after it."""
+    claimed_first = submit_sleep(acme, alice, steps=2)
+    OrmQ.objects.all().delete()
+    if setting in ("another due", "another held"):
+        other = submit_sleep(acme, alice, steps=2)
+        if setting == "another held":
+            Task.objects.filter(pk=other.pk).update(lease_owner="w:9", lease_expires_at=clock.now() + timedelta(
+                seconds=60))
+    elif setting == "a job":
+        kicks.kick("deliver", 0)
+    elif setting.startswith("a gateway kick"):
+        kicks.kick("operations", 0)
+    elif setting == "a step kick only":
+        kicks.kick_advance(claimed_first.pk)  # a hint for a task the worker takes from the table itself
+    with contextlib.ExitStack() as held:
+        if setting.endswith("turn held"):
+            gateway_job = held.enter_context(psycopg.connect(requested.conninfo(), autocommit=True))
+            gateway_job.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
+        now = clock.now()
+        claimed = leases.claim(claimed_first.pk, owner="worker-a", now=now)
+        assert claimed is not None and claimed.resume is not None
+        probed = kicks.waiting(now=now, besides=claimed.pk)
+
+    expected = {"nothing": (False, False), "another due": (False, True), "another held": (False, False),
+                "a job": (True, False), "a gateway kick": (True, False), "a gateway kick, turn held": (False, False),
+                "a step kick only": (False, False)}[setting]
+    assert claimed.resume.waiting == probed == leases.Waiting(*expected)
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
