@@ -78,8 +78,8 @@ class Resume:
     """What a step resumed from the database reads first, read by the statement that claimed its task
     (Task.resume): the task's latest checkpoint, and whether the step before asked for any call (when
     it did not, there are no outcomes to read and nothing to wait for). Beside them, what else waited for
-    a worker at the claim (kicks.waiting's answer) and when (time.monotonic()): a short step reads it
-    instead of asking again before its commit (tasks/runner.py)."""
+    a worker at the claim (kicks.waiting's answer) and when it was asked (time.monotonic() as the claim was
+    sent): a short step reads it instead of asking again before its commit (tasks/runner.py)."""
 
     checkpoint: Checkpoint | None
     calls_asked: bool
@@ -93,6 +93,9 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     params = [now, now, *([] if task_id is None else [task_id]),
               now, owner, now + timedelta(seconds=lease_seconds()), now, now,
               *broker.jobs_waiting_params(now, postgresql=True), now, now]
+    # The statement's answer about what waits is as old as the moment it was sent, not the moment it came
+    # back: a claim by kick may wait for its row's lock.
+    asked_at = time.monotonic()
     row = prepared.fetchone(_claim_next_sql(one=task_id is not None), params)
     if row is None:
         return None
@@ -101,7 +104,7 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     if claimed:
         sealed.remember_tenant(Task, picked.pk, picked.tenant_id)  # the checkpoint's check of its tenant reads it
         picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked,
-                                   waiting=Waiting(jobs=jobs, steps=steps))
+                                   waiting=Waiting(jobs=jobs, steps=steps), read_at=asked_at)
         return picked
     # A retry or a takeover: transitions.claim writes its event.
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now, wait=task_id is not None)
@@ -186,10 +189,10 @@ def _converters(model: type, fields: tuple[Field, ...]) -> dict[int, tuple[list,
     return compiler.get_converters([field.get_col(model._meta.db_table) for field in fields])
 
 
-def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool, waiting: Waiting) -> Resume:
+def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool, waiting: Waiting,
+               read_at: float) -> Resume:
     """What the claim read beside the row: the checkpoint's columns (all NULL when it has none yet), through
     the fields' converters (its sealed state opened as a read would)."""
-    read_at = time.monotonic()
     if checkpoint[0] is None:
         return Resume(checkpoint=None, calls_asked=calls_asked, waiting=waiting, read_at=read_at)
     values = dict(zip((field.attname for field in _CHECKPOINT_FIELDS),

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connection, connections, transaction
-from django.db.models import BooleanField, Case, Count, F, OuterRef, Q, QuerySet, Subquery, Value, When, Window
+from django.db.models import BooleanField, Case, Count, F, Min, OuterRef, Q, QuerySet, Subquery, Value, When, Window
 from django.db.models.functions import RowNumber
 from django.db.models.sql.subqueries import InsertQuery
 
@@ -312,11 +312,16 @@ def _live(now: datetime):
 
 
 def _pools_with_due_work(now: datetime) -> list[str]:
+    """Pools with calls a gateway job may run now, the pool whose oldest such call was asked for first in front."""
     # _due's cases apart, each read off an index: as one OR the planner reads every call not yet finished, ten
     # thousand while as many remote jobs wait for their next poll, on every sweep.
     first, *others = [Operation.objects.filter(due, _claimable(), mode=GATEWAY).order_by()
-                      .values_list("pool", flat=True) for due in _due_apart(now)]
-    return sorted(first.union(*others))
+                      .values("pool").annotate(oldest=Min("id")).values_list("pool", "oldest")
+                      for due in _due_apart(now)]
+    oldest: dict[str, int] = {}
+    for pool, op_id in first.union(*others):
+        oldest[pool] = min(op_id, oldest.get(pool, op_id))
+    return sorted(oldest, key=lambda pool: (oldest[pool], pool))
 
 
 def _at_task_cap(now: datetime):
@@ -411,31 +416,50 @@ def _lock_pool(key: str) -> None:
 
 
 def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
-    """Claim due operations of every pool, each within its room (slots, rate, pause)."""
+    """Claim up to `limit` due operations of every pool, each pool within its room (slots, rate, pause).
+
+    `limit` (the job's own room) is shared among the pools with due calls, the pool whose oldest call was
+    asked for first in front: each takes at most its share of what is left, and a pool that took all of its
+    share may take more in another pass over what the others left. So a backlog in one pool (two hundred
+    model calls) cannot take every slot a job frees while another pool's calls (a search) wait."""
     settle_lost_calls(now=now)
-    lease = timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
     claimed: list[Operation] = []
-    for key in _pools_with_due_work(now):
-        if len(claimed) >= limit:
-            break
-        with transaction.atomic():
-            _lock_pool(key)
-            pool = pools.state(key, now=now)
-            room = min(_room(pool, now), limit - len(claimed))
-            if room <= 0:
-                continue
-            chosen = [c.op_id for c in _choose(key, room, now)]
-            rows = list(Operation.objects.select_for_update(skip_locked=True, of=("self",))
-                        .filter(_due(now), pk__in=chosen).order_by("id"))
-            # The rows are locked: one UPDATE starts them all.
-            Operation.objects.filter(pk__in=[op.pk for op in rows]).update(
-                status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
-                attempts=F("attempts") + 1, started_at=now)
-            for op in rows:
-                op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
-            pools.spend_requests(pool, len(rows))
+    keys = _pools_with_due_work(now)
+    while keys and len(claimed) < limit:
+        may_have_more = []
+        for position, key in enumerate(keys):
+            left = limit - len(claimed)
+            if left <= 0:
+                break
+            share = -(-left // (len(keys) - position))
+            rows = _claim_from_pool(key, owner=owner, at_most=share, now=now)
             claimed.extend(rows)
+            if len(rows) == share:
+                may_have_more.append(key)
+        keys = may_have_more  # each of them took at least one: the passes end
     return claimed
+
+
+def _claim_from_pool(key: str, *, owner: str, at_most: int, now: datetime) -> list[Operation]:
+    """Up to `at_most` of the pool's due calls, within its room, started under `owner`'s lease."""
+    lease = timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
+    with transaction.atomic():
+        _lock_pool(key)
+        pool = pools.state(key, now=now)
+        room = min(_room(pool, now), at_most)
+        if room <= 0:
+            return []
+        chosen = [c.op_id for c in _choose(key, room, now)]
+        rows = list(Operation.objects.select_for_update(skip_locked=True, of=("self",))
+                    .filter(_due(now), pk__in=chosen).order_by("id"))
+        # The rows are locked: one UPDATE starts them all.
+        Operation.objects.filter(pk__in=[op.pk for op in rows]).update(
+            status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
+            attempts=F("attempts") + 1, started_at=now)
+        for op in rows:
+            op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
+        pools.spend_requests(pool, len(rows))
+        return rows
 
 
 def waiting_on_pool(key: str, *, limit: int) -> list[int]:

@@ -197,7 +197,9 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
     # The task's next step: in place when nothing else waits; at the back of the line, with no kick, when
     # other tasks' steps are due (this worker goes on to the task due longest); else by a kick.
     if isinstance(outcome, Continue) and turn.lasts():
-        turn.waiting = _claim_still_says(resume) or kicks.waiting(now=clock.now(), besides=task.pk)
+        turn.waiting = _claim_still_says(resume)
+        if turn.waiting is None:
+            turn.waiting = kicks.waiting(now=clock.now(), besides=task.pk)
     going_on = turn.waiting is not None and not turn.waiting.jobs
     kept = _commit(task, token, driver, outcome, ctx, keep_lease=going_on and not turn.waiting.steps,
                    hand_on=None if going_on else turn.hand_on, state_before=state)
@@ -207,10 +209,11 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
 
 def _claim_still_says(resume: leases.Resume | None) -> leases.Waiting | None:
     """What the claim of this step's task found waiting besides it, if the claim was a moment ago: the step
-    commits by that answer instead of asking again. It is as stale as a step is long; a step longer than
-    CLAIM_ANSWER_STANDS asks again. Stale, it costs one step: a job that came meanwhile waits for this
-    worker's next look (the step in place after this one asks; the next claim answers again), and a step
-    thought due that another worker took leaves this one to take the next due task or end its turn."""
+    commits by that answer instead of asking again. It is as old as the claim (from the moment it was sent)
+    and the step together; older than CLAIM_ANSWER_STANDS, the step asks again. Stale, it costs one step: a
+    job that came meanwhile waits for this worker's next look (the step in place after this one asks; the
+    next claim answers again), and a step thought due that another worker took leaves this one to take the
+    next due task or end its turn."""
     if resume is None or resume.waiting is None or time.monotonic() - resume.read_at > CLAIM_ANSWER_STANDS:
         return None
     return resume.waiting

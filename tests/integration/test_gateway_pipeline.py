@@ -293,10 +293,10 @@ def test_a_worker_running_steps_makes_way_for_a_gateway_kick_only_while_no_job_h
     assert kicks.waiting(now=clock.now(), besides=0).jobs, "nobody runs the gateway: the kick must be run"
     with psycopg.connect(requested.conninfo().replace(f"dbname={connection.settings_dict['NAME']}",
                                                       "dbname=postgres"), autocommit=True) as elsewhere:
-        elsewhere.execute("SELECT pg_advisory_lock(%s)", [kicks.GATEWAY_TURN_KEY])
+        elsewhere.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
         assert kicks.waiting(now=clock.now(), besides=0).jobs, "another database's gateway job holds another turn"
     with psycopg.connect(requested.conninfo(), autocommit=True) as gateway_job:
-        gateway_job.execute("SELECT pg_advisory_lock(%s)", [kicks.GATEWAY_TURN_KEY])
+        gateway_job.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
         assert not kicks.waiting(now=clock.now(), besides=0).jobs, "the job holding the turn hears the calls"
         kicks.kick("deliver", 0)
         assert kicks.waiting(now=clock.now(), besides=0).jobs, "other jobs still count"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
+import time
 from datetime import timedelta
 
 import psycopg
@@ -362,7 +364,7 @@ def test_a_worker_going_on_from_task_to_task_sends_two_statements_a_step(acme, a
     # Each task's first two steps went on to the task due longest (the third ends its task, in a transaction).
     assert len(going_on) == 6, going_on
     for statements in going_on:
-        assert len(statements) == 2 and statements[0].startswith("\nWITH picked AS"), (
+        assert len(statements) == 2 and "WITH picked AS" in statements[0], (
             f"a step going on sends its claim and its commit: {statements}")
     assert [c.state["done"] for c in Checkpoint.objects.filter(task=tasks[1]).order_by("step")] == [1, 2, 3]
 
@@ -398,11 +400,13 @@ def test_a_job_waiting_at_the_claim_hands_the_next_step_on_with_a_kick(acme, ali
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+@pytest.mark.parametrize("by", ["kick", "next"])
 @pytest.mark.parametrize("setting", ["nothing", "another due", "another held", "a job", "a gateway kick",
                                      "a gateway kick, turn held", "a step kick only"])
-def test_the_claims_look_at_what_waits_is_the_probes(acme, alice, setting):
+def test_the_claims_look_at_what_waits_is_the_probes(acme, alice, setting, by):
     """The claim asks kicks.waiting's two questions in its own statement (the claimed task left out): for each
-    kind of work that may wait, its answer is the probe's, asked right after it."""
+    kind of work that may wait, its answer is the probe's, asked right after it. Both forms of the claim: by
+    a kick (this task) and the task due longest."""
     claimed_first = submit_sleep(acme, alice, steps=2)
     OrmQ.objects.all().delete()
     if setting in ("another due", "another held"):
@@ -421,14 +425,34 @@ def test_the_claims_look_at_what_waits_is_the_probes(acme, alice, setting):
             gateway_job = held.enter_context(psycopg.connect(requested.conninfo(), autocommit=True))
             gateway_job.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
         now = clock.now()
-        claimed = leases.claim(claimed_first.pk, owner="worker-a", now=now)
-        assert claimed is not None and claimed.resume is not None
+        claimed = (leases.claim(claimed_first.pk, owner="worker-a", now=now) if by == "kick"
+                   else leases.claim_next(owner="worker-a", now=now))
+        assert claimed is not None and claimed.pk == claimed_first.pk and claimed.resume is not None
         probed = kicks.waiting(now=now, besides=claimed.pk)
 
     expected = {"nothing": (False, False), "another due": (False, True), "another held": (False, False),
                 "a job": (True, False), "a gateway kick": (True, False), "a gateway kick, turn held": (False, False),
                 "a step kick only": (False, False)}[setting]
     assert claimed.resume.waiting == probed == leases.Waiting(*expected)
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_a_claims_answer_is_as_old_as_the_moment_it_was_sent_not_as_it_came_back(acme, alice):
+    """A claim by kick waits for its row's lock (a recorder holds it, say): what it says waits was read
+    before that wait, and must count as that old, or a step would trust it however long ago it was read."""
+    task = submit_sleep(acme, alice, steps=2)
+    held_for = 1.0
+    with _other_session() as holder:
+        holder.execute(f"SELECT 1 FROM {Task._meta.db_table} WHERE id = %s FOR UPDATE", [task.pk])
+        letting_go = threading.Timer(held_for, holder.commit)
+        letting_go.start()
+        sent = time.monotonic()
+        claimed = leases.claim(task.pk, owner="worker-a", now=clock.now())
+        letting_go.join()
+
+    assert claimed is not None and claimed.resume is not None
+    assert time.monotonic() - sent >= held_for, "the claim waited for the lock"
+    assert claimed.resume.read_at - sent < held_for, "the answer's age leaves out the wait for the lock"
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")

@@ -63,6 +63,41 @@ def test_a_full_search_pool_leaves_reads_their_own_slots(acme, alice, settings):
 
 
 @pytest.mark.django_db
+def test_a_job_with_little_room_shares_it_among_the_pools_with_calls_due(acme, alice):
+    """The job's own room (LONGHAUL_GATEWAY_INFLIGHT less its calls out) is shared among the pools: a backlog
+    of model calls must not take every slot a job frees while a search waits (the pools went in the order
+    of their names, "model:" before "tool:", each taking all it could)."""
+    tasks = [waiting_for_tools(acme, alice) for _ in range(5)]
+    models = [call(task, 0, kind="model", name="plan") for task in tasks[:4]]
+    search = call(tasks[4], 0)
+
+    taken = operations.claim_batch(owner="gw:1", limit=2, now=clock.now())
+
+    assert sorted(op.pk for op in taken) == [models[0].pk, search.pk]
+
+
+@pytest.mark.django_db
+def test_a_pool_that_needs_less_than_its_share_leaves_the_rest_to_the_others(acme, alice):
+    tasks = [waiting_for_tools(acme, alice) for _ in range(5)]
+    models = [call(task, 0, kind="model", name="plan") for task in tasks[:4]]
+    search = call(tasks[4], 0)
+
+    taken = operations.claim_batch(owner="gw:1", limit=4, now=clock.now())
+
+    assert sorted(op.pk for op in taken) == sorted([search.pk, *(op.pk for op in models[:3])])
+
+
+@pytest.mark.django_db
+def test_the_pool_whose_call_was_asked_for_first_goes_first(acme, alice):
+    first, second = waiting_for_tools(acme, alice), waiting_for_tools(acme, alice)
+    search = call(first, 0)
+    model = call(second, 0, kind="model", name="plan")
+
+    assert [op.pk for op in operations.claim_batch(owner="gw:1", limit=1, now=clock.now())] == [search.pk]
+    assert [op.pk for op in operations.claim_batch(owner="gw:2", limit=1, now=clock.now())] == [model.pk]
+
+
+@pytest.mark.django_db
 def test_each_mcp_server_and_each_configured_pool_has_its_own_limit(acme, alice, settings):
     settings.LONGHAUL_POOLS = {"tool:search": {"concurrency": 1}, "mcp:slow": {"concurrency": 1}}
     tasks = [waiting_for_tools(acme, alice) for _ in range(4)]
