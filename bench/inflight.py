@@ -382,10 +382,15 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             "database connection of its own. "
             + (f"But one job keeps at most {settings.LONGHAUL_GATEWAY_INFLIGHT} calls out (LONGHAUL_GATEWAY_INFLIGHT), "
                f"and a wave asks for more at once ({most_waiting} waited to be claimed at the busiest moment): a "
-               "search or a visit asked for while the job is full waits for a call to end. Raising the cap trades "
-               "that wait for more sockets and CPU in the one process. " if at_cap else "")
+               "call asked for while the job is full waits for a call to end, and the slots a job frees are shared "
+               "among the pools with calls due (operations.claim_batch), so searches wait their turn beside model "
+               "calls of two seconds. Raising the cap trades that wait for more sockets and CPU in the one "
+               "process. " if at_cap else "")
             + "What is left is CPU: both cores are busy with the steps, PostgreSQL and the gateway's HTTP work "
-            "(httpx's pools cost about as much CPU as the calls), so a claim waits its turn on the CPU."
+            "(httpx's pools cost about as much CPU as the calls), so a claim waits its turn on the CPU. In the "
+            "gateway process itself, py-spy shows its two database threads (claims, about 14 ORM-built statements "
+            "for each pool with calls due, and the recording of outcomes) holding the interpreter for most of its "
+            "samples, and its event loop waits for them."
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
