@@ -344,8 +344,9 @@ def _candidates(pool: str, now: datetime, *, limit: int) -> list[pools.Candidate
     return [pools.Candidate(op_id, task_id, tenant_id) for op_id, task_id, tenant_id in rows]
 
 
-def _choose(pool: str, room: int, now: datetime) -> list[pools.Candidate]:
-    """Up to `room` of the pool's due calls, shared among tenants by weight and among tasks by their cap."""
+def _choose(pool: str, room: int, now: datetime, *, tenant_busy: Counter[int]) -> list[pools.Candidate]:
+    """Up to `room` of the pool's due calls, shared among tenants by weight and among tasks by their cap.
+    `tenant_busy`: the pool's calls out per tenant (_busy_by_tenant), consumed as calls are picked."""
     candidates = _candidates(pool, now, limit=room)
     if not candidates:
         return []
@@ -353,19 +354,26 @@ def _choose(pool: str, room: int, now: datetime) -> list[pools.Candidate]:
     tenant_ids = {c.tenant_id for c in candidates}
     out_per_task = Counter(dict(_live(now).filter(task_id__in=task_ids).order_by().values("task_id")
                                 .annotate(n=Count("*")).values_list("task_id", "n")))
-    # Calls out in the pool per tenant (every tenant's: choose reads the candidates' only). Each call's tenant
-    # through its task's primary key: joined by tenant instead, a planner without statistics nests a loop over
-    # every task of the tenant for each call out (milliseconds with a few hundred calls out).
-    tenant_of = Subquery(Task.objects.filter(pk=OuterRef("task_id")).values("tenant_id"))
-    tenant_busy = Counter(dict(_live(now).filter(pool=pool).order_by().values(tenant=tenant_of)
-                               .annotate(n=Count("*")).values_list("tenant", "n")))
     weights = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", "weight"))
     task_room = {t: settings.LONGHAUL_TASK_CALLS_IN_FLIGHT - out_per_task[t] for t in task_ids}
     return pools.choose(candidates, room=room, tenant_busy=tenant_busy, task_room=task_room, weights=weights)
 
 
-def _room(pool: Pool, now: datetime) -> int:
-    return pools.room(pool, in_flight=_live(now).filter(pool=pool.key).count(), now=now)
+def _busy_by_tenant(pool: str, now: datetime) -> Counter[int]:
+    """The pool's calls out now, per tenant (every tenant's: choose reads the candidates' only); together,
+    all the pool's calls out. Each call's tenant through its task's primary key: joined by tenant instead, a
+    planner without statistics nests a loop over every task of the tenant for each call out (milliseconds
+    with a few hundred calls out)."""
+    tenant_of = Subquery(Task.objects.filter(pk=OuterRef("task_id")).values("tenant_id"))
+    return Counter(dict(_live(now).filter(pool=pool).order_by().values(tenant=tenant_of)
+                        .annotate(n=Count("*")).values_list("tenant", "n")))
+
+
+def _room(pool: Pool, now: datetime, *, in_flight: int | None = None) -> int:
+    """Calls the pool may start now; `in_flight`, its calls out, when the caller has counted them."""
+    if in_flight is None:
+        in_flight = _live(now).filter(pool=pool.key).count()
+    return pools.room(pool, in_flight=in_flight, now=now)
 
 
 def claimable_exists(now: datetime) -> bool:
@@ -446,10 +454,11 @@ def _claim_from_pool(key: str, *, owner: str, at_most: int, now: datetime) -> li
     with transaction.atomic():
         _lock_pool(key)
         pool = pools.state(key, now=now)
-        room = min(_room(pool, now), at_most)
+        busy = _busy_by_tenant(key, now)
+        room = min(_room(pool, now, in_flight=sum(busy.values())), at_most)
         if room <= 0:
             return []
-        chosen = [c.op_id for c in _choose(key, room, now)]
+        chosen = [c.op_id for c in _choose(key, room, now, tenant_busy=busy)]
         rows = list(Operation.objects.select_for_update(skip_locked=True, of=("self",))
                     .filter(_due(now), pk__in=chosen).order_by("id"))
         # The rows are locked: one UPDATE starts them all.
@@ -476,7 +485,14 @@ def _lost_calls(now: datetime):
 def settle_lost_calls(*, now: datetime, limit: int = 100) -> int:
     """Calls that must never run twice, left started by a gateway job that died: failed, never run
     again (MCP cannot ask a server whether a tools/call began); their task decides what follows."""
-    lost = list(_lost_calls(now).values_list("pk", flat=True)[:limit])
+    # One read for both kinds (lost, and poison: attempts bounded here as everywhere), by the calls out whose
+    # lease ran out (operation_pool_inflight_idx); run at every claim, which mostly finds neither.
+    expired = Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_expires_at__lt=now)
+    found = list(expired.filter(Q(has_side_effects=True) | Q(attempts__gte=settings.LONGHAUL_MAX_ATTEMPTS))
+                 .order_by().values_list("pk", "has_side_effects", "attempts")[:2 * limit])
+    lost = [op_id for op_id, once, _ in found if once][:limit]
+    poison = [(op_id, attempts) for op_id, once, attempts in found
+              if not once and attempts >= settings.LONGHAUL_MAX_ATTEMPTS][:limit]
     settled = 0
     for op_id in lost:
         log.warning("operation %s: its gateway job died during the call; failing it, not running it again", op_id)
@@ -485,9 +501,6 @@ def settle_lost_calls(*, now: datetime, limit: int = 100) -> int:
             "error_message": LOST, "finished_at": now, "lease_owner": "", "lease_expires_at": None})
     # Attempts are bounded here as everywhere: a call whose gateway jobs keep dying during it (one that
     # kills its process, say) ends failed rather than being claimed forever; its task decides what follows.
-    poison = list(Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_expires_at__lt=now,
-                                           attempts__gte=settings.LONGHAUL_MAX_ATTEMPTS)
-                  .values_list("pk", "attempts")[:limit])
     for op_id, attempts in poison:
         log.warning("operation %s: %s gateway jobs died during it; failing it as poison", op_id, attempts)
         settled += _finish(op_id, guard=Q(status=OperationStatus.STARTED, lease_expires_at__lt=now), fields={

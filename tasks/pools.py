@@ -161,8 +161,12 @@ def next_allowance_at(pool: Pool, *, now: datetime) -> datetime | None:
 
 
 def spend_requests(pool: Pool, started: int) -> None:
-    """After claiming `started` calls: take them from the allowance and save the row."""
-    if limits(pool.key).requests_per_minute:
+    """After claiming `started` calls: take them from the allowance and save the row. A pool with no rate
+    limit has no allowance to keep (state() refilled nothing): its row is not written at every claim."""
+    pool_limits = limits(pool.key)
+    if not (pool_limits.requests_per_minute or pool_limits.tokens_per_minute):
+        return
+    if pool_limits.requests_per_minute:
         pool.requests_allowance -= started
     pool.save(update_fields=["requests_allowance", "tokens_allowance", "refilled_at"])
 

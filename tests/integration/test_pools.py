@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 from django.core.exceptions import ImproperlyConfigured
-from django.db import transaction
+from django.db import connection, transaction
 from django.test import Client
+from django.test.utils import CaptureQueriesContext
 
 from project import pools as pool_settings
 from tasks import actions, clock, jobs, operations, pools
@@ -95,6 +96,51 @@ def test_the_pool_whose_call_was_asked_for_first_goes_first(acme, alice):
 
     assert [op.pk for op in operations.claim_batch(owner="gw:1", limit=1, now=clock.now())] == [search.pk]
     assert [op.pk for op in operations.claim_batch(owner="gw:2", limit=1, now=clock.now())] == [model.pk]
+
+
+# A claim of one pool's call: the read of calls whose job died (lost, poison), the pools with calls due; in the
+# pool's transaction (BEGIN or SAVEPOINT, and its end), the pool's lock and row, its calls out per tenant (their
+# sum, its room), the candidates, their tasks' calls out, the tenants' weights, the chosen rows locked and
+# started. (Opening a claimed call's sealed arguments may read its tenant and key: not counted.)
+ONE_POOL_CLAIM_STATEMENTS = 12
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the pool's lock is PostgreSQL's advisory lock")
+@pytest.mark.django_db
+def test_a_claim_counts_a_pools_calls_out_once_and_writes_no_row_for_a_pool_without_a_rate_limit(acme, alice):
+    call(waiting_for_tools(acme, alice), 0)
+    assert len(claimed()) == 1  # the search pool's row exists now
+    search = call(waiting_for_tools(acme, alice), 0)
+
+    with CaptureQueriesContext(connection) as queries:
+        assert [op.pk for op in claimed()] == [search.pk]
+
+    statements = [query["sql"] for query in queries.captured_queries
+                  if '"tasks_tenantkey"' not in query["sql"] and not query["sql"].startswith(
+                      'SELECT "tasks_task"."tenant_id" AS "tenant_id" FROM "tasks_task" WHERE "tasks_task"."id" =')]
+    assert not [sql for sql in statements if sql.startswith('UPDATE "tasks_pool"')], (
+        "a pool with no rate limit has no allowance to save at every claim")
+    assert len(statements) == ONE_POOL_CLAIM_STATEMENTS, statements
+
+
+@pytest.mark.django_db
+def test_a_claim_fails_a_lost_call_and_a_poison_call_and_starts_the_rest_again(acme, alice, settings):
+    gone = clock.now() - timedelta(seconds=1)
+
+    def died_during(**fields: Any) -> Operation:  # a call whose gateway job died: its lease ran out
+        values = {"attempts": 1, **fields}
+        return call(waiting_for_tools(acme, alice), 0, status=Op.STARTED, lease_owner="gw:0", started_at=gone,
+                    lease_expires_at=gone, **values)
+
+    once = died_during(has_side_effects=True)
+    hanging = died_during(attempts=settings.LONGHAUL_MAX_ATTEMPTS)
+    again = died_during()  # runs again
+
+    assert [op.pk for op in claimed()] == [again.pk]
+    once.refresh_from_db()
+    hanging.refresh_from_db()
+    assert (once.status, once.error_message) == (Op.FAILED, operations.LOST)
+    assert (hanging.status, hanging.error_class) == (Op.FAILED, "poison")
 
 
 @pytest.mark.django_db
