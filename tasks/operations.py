@@ -477,22 +477,24 @@ def waiting_on_pool(key: str, *, limit: int) -> list[int]:
                 .order_by().values_list("task_id", flat=True).distinct()[:limit])
 
 
+def _expired_calls(now: datetime):
+    """Calls started by a gateway job whose lease ran out (it died): operation_pool_inflight_idx."""
+    return Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_expires_at__lt=now)
+
+
 def _lost_calls(now: datetime):
-    return Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, has_side_effects=True,
-                                    lease_expires_at__lt=now)
+    return _expired_calls(now).filter(has_side_effects=True)
 
 
 def settle_lost_calls(*, now: datetime, limit: int = 100) -> int:
     """Calls that must never run twice, left started by a gateway job that died: failed, never run
     again (MCP cannot ask a server whether a tools/call began); their task decides what follows."""
-    # One read for both kinds (lost, and poison: attempts bounded here as everywhere), by the calls out whose
-    # lease ran out (operation_pool_inflight_idx); run at every claim, which mostly finds neither.
-    expired = Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_expires_at__lt=now)
-    found = list(expired.filter(Q(has_side_effects=True) | Q(attempts__gte=settings.LONGHAUL_MAX_ATTEMPTS))
+    # One read for both kinds (lost, and poison: attempts bounded here as everywhere); run at every claim,
+    # which mostly finds neither. A call that is both is settled as lost.
+    found = list(_expired_calls(now).filter(Q(has_side_effects=True) | Q(attempts__gte=settings.LONGHAUL_MAX_ATTEMPTS))
                  .order_by().values_list("pk", "has_side_effects", "attempts")[:2 * limit])
     lost = [op_id for op_id, once, _ in found if once][:limit]
-    poison = [(op_id, attempts) for op_id, once, attempts in found
-              if not once and attempts >= settings.LONGHAUL_MAX_ATTEMPTS][:limit]
+    poison = [(op_id, attempts) for op_id, once, attempts in found if not once][:limit]
     settled = 0
     for op_id in lost:
         log.warning("operation %s: its gateway job died during the call; failing it, not running it again", op_id)
