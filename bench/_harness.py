@@ -171,6 +171,25 @@ def wal_position() -> int:
     return reconnecting(read)
 
 
+def vacuum_analyze(*models: type) -> None:
+    """VACUUM (ANALYZE) of `models`' tables, or of the whole database when none is named: what autovacuum
+    would have done between two bursts of work. This machine's PostgreSQL runs with autovacuum off (a CI
+    setting, `autovacuum_setting()`): without it each round would inherit the dead rows of the rounds
+    before and the planner would keep the statistics of an empty table."""
+    with connection.cursor() as cursor:
+        if not models:
+            cursor.execute("VACUUM (ANALYZE)")
+        for model in models:
+            cursor.execute(f"VACUUM (ANALYZE) {connection.ops.quote_name(model._meta.db_table)}")
+
+
+def autovacuum_setting() -> str:
+    """The server's autovacuum setting, 'on' or 'off'."""
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        return cursor.fetchone()[0]
+
+
 def machine_line() -> str:
     m = machine()
     return (f"{m['date']}; {m['cores']} cores ({m['usable cores']} usable); load {m['load average']}; "

@@ -347,10 +347,7 @@ def grow(seed_ids: list[int], count: int, *, state_dir: Path, poll_seconds: floa
         made += size
 
 
-def vacuum_analyze() -> None:
-    with connection.cursor() as cursor:
-        for model in (Task, Operation, Checkpoint, TaskEvent):
-            cursor.execute(f"VACUUM (ANALYZE) {connection.ops.quote_name(model._meta.db_table)}")
+CHURNED = (Task, Operation, Checkpoint, TaskEvent)  # the tables each growth vacuums
 
 
 # --- one phase ------------------------------------------------------------------------------
@@ -538,7 +535,7 @@ def run(*, tasks: int = 10_000, probes: int = 200, mcp_probes: int = 20, interva
                             made = len(seed_ids)
                         grow(seed_ids, size - made, state_dir=state, poll_seconds=poll_seconds, start=made)
                         made = size
-                        vacuum_analyze()
+                        h.vacuum_analyze(*CHURNED)
                         grown[size] = time.monotonic() - started
                         print(f"{size:,} idle tasks made in {grown[size]:.0f} s", flush=True)
                     sampler.phase = str(size)
@@ -555,7 +552,7 @@ def run(*, tasks: int = 10_000, probes: int = 200, mcp_probes: int = 20, interva
             sampler.stopping.set()
             sampler.join(timeout=10)
         scope.purge()
-        h.reconnecting(vacuum_analyze)
+        h.reconnecting(lambda: h.vacuum_analyze(*CHURNED))
         shutil.rmtree(tmp, ignore_errors=True)
 
     measured = sorted(phases)

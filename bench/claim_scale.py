@@ -125,11 +125,6 @@ def table_rows() -> int:
         return cursor.fetchone()[0]
 
 
-def vacuum_analyze() -> None:
-    with connection.cursor() as cursor:
-        cursor.execute(f"VACUUM (ANALYZE) {Task._meta.db_table}")
-
-
 # --- operations --------------------------------------------------------------------------
 
 
@@ -306,7 +301,7 @@ def run(*, sizes: tuple[int, ...] = (10_000, 1_000_000), repeat: int = 300) -> h
             started = time.monotonic()
             if missing > 0:
                 grow(scope, bulk_owner, thread, missing)
-            vacuum_analyze()
+            h.vacuum_analyze(Task)
             grow_seconds[size] = time.monotonic() - started
             actual = table_rows()
             ops.refresh_captured()
@@ -319,7 +314,7 @@ def run(*, sizes: tuple[int, ...] = (10_000, 1_000_000), repeat: int = 300) -> h
                   flush=True)
     finally:
         scope.purge()
-        vacuum_analyze()
+        h.vacuum_analyze(Task)
 
     counts = sorted(results)
     small, large = counts[0], counts[-1]

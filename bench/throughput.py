@@ -12,6 +12,8 @@ Per round, with one real qcluster (W workers) already warm:
   (measured the same way around DBOS's rounds: what each writes a step, steadier than time here);
 - the database ceiling: W connections, each looping a SKIP LOCKED claim (one transaction) and a
   fenced completion (another) as plain SQL over a scratch table of N*S rows.
+Each Longhaul round and each DBOS round starts with VACUUM (ANALYZE) of the tables it writes, as
+autovacuum would have run between two bursts (this machine's PostgreSQL has it off).
 Then, on the idle cluster, tasks of 5 steps one at a time: end to end time, and the gap between
 consecutive checkpoints of a task (the runtime's own cost per step: the steps do nothing).
 Then, with the cluster stopped, `tasks.jobs.advance` in this process: one step per call (wall time
@@ -44,7 +46,7 @@ from django_q.signing import SignedPackage
 from django_q.tasks import async_task
 
 from tasks import actions, events, jobs
-from tasks.models import Checkpoint, Task
+from tasks.models import AdmissionRecord, Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import TERMINAL, TaskStatus
 
 RATIO_TARGET = 0.70
@@ -54,6 +56,7 @@ WAKEUP_HANDOFF_TARGET_US = 100.0
 LIMITS = {"tasks": 5000, "steps": 1000, "workers": 16, "rounds": 10, "solo": 500, "timeout": 900}
 NOOP = "bench._qnoop.noop"
 TASKS_GOING_ON = 10
+CHURNED = (Task, TaskEvent, Checkpoint, AdmissionRecord, Operation, OrmQ)  # what a round writes, vacuumed before it
 
 
 @dataclass
@@ -129,6 +132,7 @@ def checkpoint_gaps(ids: list[int]) -> list[float]:
 
 
 def longhaul(scope: h.Scope, tasks: int, steps: int, *, timeout: float) -> Round:
+    h.vacuum_analyze(*CHURNED)
     wal_before = h.wal_position()
     ids, started = submit_many(scope, tasks, steps)
     wait_terminal(ids, timeout=timeout)
@@ -460,14 +464,15 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
     ]
     if peer is not None:
         total, partial = _index_counts(Task._meta.db_table)
-        verdict = "stay below" if lh < dbos_rate else "come close to"
+        verdict = "Why Longhaul's steps/s stay below DBOS's" if lh < dbos_rate else "What a Longhaul step costs"
         report.notes.append(
-            f"Why Longhaul's steps/s {verdict} DBOS's: under load a step costs {worker_ms_lh:.1f} ms of worker time "
+            f"{verdict}: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step (each task's "
             "end included): the one-statement claim, which also brings the checkpoint, whether the step before asked "
             "for calls and what else waits for a worker (so the step after it sends no probe of its own); the fenced "
             "commit, one UPDATE that also writes the checkpoint and the events and commits alone (no BEGIN or COMMIT: "
-            "transitions.commits_alone). Each UPDATE of the "
+            "transitions.commits_alone). The claim reads task_due_idx in its own order (due time, then id) and "
+            "stops at the first row nobody holds. Each UPDATE of the "
             f"task row also writes an entry into each of the table's indexes whose condition the row meets ({total} "
             f"indexes, {partial} of them partial), since the due time and the lease columns are indexed and no update "
             "is HOT; the write-ahead log a step "
@@ -477,6 +482,12 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
             "What would open a clear lead: the lease and due-time columns in a "
             "narrow table of their own (HOT updates of the task row), and several tasks' steps committed together "
             "(one flush of the write-ahead log for a batch of steps).")
+        report.notes.append(
+            f"Each Longhaul round and each DBOS round started with VACUUM (ANALYZE) of the tables it writes, as "
+            f"autovacuum would have run between two bursts: this server runs with autovacuum "
+            f"{h.autovacuum_setting()}. Without it a round inherits the dead rows of the rounds before, and the "
+            "planner keeps the statistics of the empty tables the run started with (it then planned Longhaul's "
+            "claim as a bitmap scan of every due row).")
         report.notes.append(
             f"Why one task alone takes longer: its 5 steps take about {5 * p50_gap:.0f} ms ({p50_gap:.1f} ms each). "
             f"The rest of its {e2e_p50:.0f} ms is django-q2 taking its first kick from the broker (its pusher wakes "

@@ -90,13 +90,11 @@ class Resume:
 def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> Task | None:
     """PostgreSQL: the task due longest (or task `task_id`, if due), claimed in one prepared statement
     when nobody held it and it waits for no retry, with its Resume; the full claim otherwise."""
-    params = [now, now, *([] if task_id is None else [task_id]),
-              now, owner, now + timedelta(seconds=lease_seconds()), now, now,
-              *broker.jobs_waiting_params(now, postgresql=True), now, now]
+    sql, params = claim_statement(owner=owner, now=now, task_id=task_id)
     # The statement's answer about what waits is as old as the moment it was sent, not the moment it came
     # back: a claim by kick may wait for its row's lock.
     asked_at = time.monotonic()
-    row = prepared.fetchone(_claim_next_sql(one=task_id is not None), params)
+    row = prepared.fetchone(sql, params)
     if row is None:
         return None
     picked = _task_of(row)
@@ -108,6 +106,14 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
         return picked
     # A retry or a takeover: transitions.claim writes its event.
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now, wait=task_id is not None)
+
+
+def claim_statement(*, owner: str, now: datetime, task_id: int | None = None) -> tuple[str, list[Any]]:
+    """The one-statement claim (PostgreSQL) and its parameters: of the task due longest, or of task `task_id`."""
+    params = [now, now, *([] if task_id is None else [task_id]),
+              now, owner, now + timedelta(seconds=lease_seconds()), now, now,
+              *broker.jobs_waiting_params(now, postgresql=True), now, now]
+    return _claim_next_sql(one=task_id is not None), params
 
 
 # leases.due() in one statement, oldest first (or only the task asked for): the task due longest is locked

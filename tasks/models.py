@@ -207,8 +207,12 @@ class Task(SealedModel):
                          condition=Q(status__in=sorted(TERMINAL))),
             # deletion.finish_pending: tasks deleted while they could still run, waiting to end.
             models.Index(fields=["id"], name="task_delete_pending_idx", condition=Q(delete_requested_at__isnull=False)),
-            # leases.claim and sweeper.kick_due: "claimable and due", ordered by due time.
-            models.Index(fields=["next_run_at"], name="task_due_idx", condition=Q(status__in=sorted(CLAIMABLE))),
+            # leases.claim, kicks.kick_first_due and sweeper.kick_due: "claimable and due", in the order they
+            # claim (due time, then id). With the id in the key the claim of the task due longest reads the index
+            # in order and stops at its first free row; keyed by due time alone, PostgreSQL had to sort each due
+            # time's rows, and chose a bitmap scan that read every due row and every dead index entry a step
+            # leaves (it never marks them dead, as an ordered scan does), at every claim.
+            models.Index(fields=["next_run_at", "id"], name="task_due_idx", condition=Q(status__in=sorted(CLAIMABLE))),
             # scheduling.admit: the tenant's queued tasks in priority and age order.
             models.Index(
                 fields=["tenant", "-priority", "created_at"],
