@@ -52,7 +52,7 @@ test: venv
 	bin/ensure-gettext
 	bin/ensure-pydocs
 	$(COMPILEMESSAGES)
-	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -n $(TEST_PROCESSES) --dist worksteal \
+	DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -n $(TEST_PROCESSES) --dist worksteal --durations=20 \
 		-m 'not e2e and not alone' tests
 	LONGHAUL_DRILL_PG_RESTART=1 DATABASE_URL='$(TEST_DATABASE_URL)' $(PYTEST) -p no:playwright -m 'alone' tests
 	DATABASE_URL='sqlite:///$(CURDIR)/var/smoke.sqlite3' $(PYTEST) -p no:playwright -m 'smoke and not e2e' tests

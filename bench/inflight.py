@@ -391,9 +391,9 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                "process. " if at_cap else "")
             + "What is left is CPU: both cores are busy with the steps, PostgreSQL and the gateway's HTTP work "
             "(httpx's pools cost about as much CPU as the calls), so a claim waits its turn on the CPU. In the "
-            "gateway process itself, py-spy shows its two database threads (claims, about 14 ORM-built statements "
-            "for each pool with calls due, and the recording of outcomes) holding the interpreter for most of its "
-            "samples, and its event loop waits for them."
+            "gateway process itself, py-spy shows its two database threads (claims, 12 ORM-built statements for "
+            "one pool's calls and 10 more for each other pool with calls due, and the recording of outcomes) "
+            "holding the interpreter for most of its samples, and its event loop waits for them."
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(

@@ -479,7 +479,7 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
             f"says the same ({h.fmt(lh_wal, 0)} bytes against DBOS's {h.fmt(dbos_wal, 0)}). "
             "A DBOS step writes one row. On this shared 2-core machine the ratio moves by about 20% from run to run "
             "(both sides' rounds vary). "
-            "What would open a clear lead: the lease and due-time columns in a "
+            f"What would {'open a' if lh < dbos_rate else 'widen the'} lead: the lease and due-time columns in a "
             "narrow table of their own (HOT updates of the task row), and several tasks' steps committed together "
             "(one flush of the write-ahead log for a batch of steps).")
         report.notes.append(

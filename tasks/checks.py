@@ -43,3 +43,40 @@ def pools_named(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
     return [checks.Warning(f"LONGHAUL_POOLS names {key!r}, which no call takes: its limits are unused",
                            hint=f"Pools now: {', '.join(sorted(known))}.", id="longhaul.W001")
             for key in sorted(set(settings.LONGHAUL_POOLS) - known)]
+
+
+@checks.register(checks.Tags.database)
+def autovacuum_runs(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """PostgreSQL's autovacuum runs on the tables the hot path rewrites. Without it their dead rows stay and
+    their statistics keep describing the tables as they were: the claim of the task due longest is then planned
+    as for an empty table, a bitmap scan of every due row and of every dead index entry the steps left.
+    A database check: `manage.py migrate` and `manage.py check --database default` run it."""
+    from django.db import connections
+    from django_q.models import OrmQ
+
+    from tasks.models import Checkpoint, Operation, Task, TaskEvent
+
+    # The tables every step, call and kick writes. Each UPDATE of theirs leaves a dead row and dead index entries
+    # (the task row's updates are never HOT: tasks/models.py), and the claim is planned from their statistics.
+    rewritten = [model._meta.db_table for model in (Task, TaskEvent, Checkpoint, Operation, OrmQ)]
+    found: list[checks.CheckMessage] = []
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor != "postgresql":
+            continue
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('autovacuum') = 'on'")
+            server_on = cursor.fetchone()[0]
+            cursor.execute("SELECT relname FROM pg_class WHERE relname = ANY(%s) AND relkind = 'r' "
+                           "AND pg_table_is_visible(oid) AND 'autovacuum_enabled=false' = ANY(reloptions) "
+                           "ORDER BY relname", [rewritten])
+            tables_off = [name for (name,) in cursor.fetchall()]
+        off = rewritten if not server_on else tables_off
+        why = "the server's autovacuum is off" if not server_on else "autovacuum_enabled=false"
+        if off:
+            found.append(checks.Warning(
+                f"autovacuum does not run on {', '.join(off)} (database {alias!r}: {why}): their dead rows stay "
+                "and their statistics go stale, and each claim of a due task slows as they grow",
+                hint=f"Turn it on; where it must stay off, run VACUUM (ANALYZE) on {', '.join(off)} every few "
+                     "minutes while tasks run.", id="longhaul.W002"))
+    return found

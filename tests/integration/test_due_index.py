@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 from django.db import connection
 
-from tasks import clock, leases
+from tasks import checks, clock, leases
 from tasks.models import Task
 from tasks.statuses import TaskStatus
 from tests.factories import submit_sleep
@@ -80,7 +80,8 @@ def test_a_claim_by_kick_reads_its_one_row(many_due):
     picked = subplan(explained(*leases.claim_statement(owner="plan", now=clock.now(), task_id=task_id)),
                      "CTE picked")
     scans = [node for node in nodes(picked) if "Scan" in node["Node Type"]]
-    assert [(scan["Node Type"], scan["Index Name"]) for scan in scans] == [("Index Scan", f"{Task._meta.db_table}_pkey")]
+    primary_key = f"{Task._meta.db_table}_pkey"
+    assert [(scan["Node Type"], scan["Index Name"]) for scan in scans] == [("Index Scan", primary_key)]
 
 
 def test_the_claim_still_takes_the_task_due_longest_first(many_due):
@@ -92,3 +93,21 @@ def test_the_claim_still_takes_the_task_due_longest_first(many_due):
     now = clock.now()
     taken = [leases.claim_next(owner=f"w{n}", now=now).pk for n in range(3)]
     assert taken == expected
+
+
+@pytest.mark.django_db
+def test_autovacuum_off_for_a_table_every_step_rewrites_is_warned_about():
+    """The plans above hold while autovacuum keeps the statistics fresh and clears the dead entries."""
+    if connection.vendor != "postgresql":
+        assert checks.autovacuum_runs(databases=["default"]) == []
+        return
+    with connection.cursor() as cursor:
+        cursor.execute("SHOW autovacuum")
+        server_on = cursor.fetchone()[0] == "on"
+    assert bool(checks.autovacuum_runs(databases=["default"])) is not server_on
+    assert checks.autovacuum_runs(databases=None) == []  # not asked for a database: reads none
+    with connection.cursor() as cursor:
+        cursor.execute(f"ALTER TABLE {Task._meta.db_table} SET (autovacuum_enabled = false)")  # rolled back after
+    warnings = checks.autovacuum_runs(databases=["default"])
+    assert [warning.id for warning in warnings] == ["longhaul.W002"]
+    assert Task._meta.db_table in warnings[0].msg and "VACUUM (ANALYZE)" in warnings[0].hint
