@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import time
 import traceback
 import zlib
@@ -996,9 +997,8 @@ async def pump(*, owner: str, run_for: float) -> int | None:
     try:
         await listener.start(await sync_to_async(requested.conninfo)())
         async with contextlib.AsyncExitStack() as clients_open:
-            tls = httpx.create_ssl_context()  # one for all: building one takes about 25 ms
             clients = [await clients_open.enter_async_context(httpx.AsyncClient(
-                follow_redirects=False, limits=pool, verify=tls)) for _ in range(CLIENT_SHARDS)]
+                follow_redirects=False, limits=pool, verify=_tls_context())) for _ in range(CLIENT_SHARDS)]
             stop_claiming = time.monotonic() + run_for  # the slice starts once the job can claim
             while True:
                 claiming = time.monotonic() < stop_claiming and not draining.is_set()
@@ -1057,6 +1057,15 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                 await claims.close()
                 await sync_to_async(connections.close_all)()
     return ran
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """The TLS settings of every gateway job in this process: building them reads the CA bundle (about 25 ms
+    of CPU), once per process rather than once per job. An SSLContext serves any number of connections."""
+    import httpx
+
+    return httpx.create_ssl_context()
 
 
 class DatabaseThread:
