@@ -67,8 +67,10 @@ def autovacuum_runs(app_configs: Any = None, databases: Any = None, **kwargs: An
         with connection.cursor() as cursor:
             cursor.execute("SELECT current_setting('autovacuum') = 'on'")
             server_on = cursor.fetchone()[0]
+            # The option as set (false, off, no, 0...), read as a boolean.
             cursor.execute("SELECT relname FROM pg_class WHERE relname = ANY(%s) AND relkind = 'r' "
-                           "AND pg_table_is_visible(oid) AND 'autovacuum_enabled=false' = ANY(reloptions) "
+                           "AND pg_table_is_visible(oid) AND EXISTS (SELECT 1 FROM pg_options_to_table(reloptions) "
+                           "WHERE option_name = 'autovacuum_enabled' AND NOT option_value::bool) "
                            "ORDER BY relname", [rewritten])
             tables_off = [name for (name,) in cursor.fetchall()]
         off = rewritten if not server_on else tables_off
