@@ -49,6 +49,7 @@ from django.db.models.sql.subqueries import InsertQuery
 
 from tasks import broker, clock, drain, events, kicks, leases, pools, requested, sealed, transitions, typed_sql
 from tasks.budgets import Budget
+from tasks.compiled import compiled_once
 from tasks.context import digest
 from tasks.drain import draining
 from tasks.drivers import OpRequest
@@ -312,36 +313,46 @@ def _live(now: datetime):
     return Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_expires_at__gte=now)
 
 
-def _pools_with_due_work(now: datetime) -> list[str]:
-    """Pools with calls a gateway job may run now, the pool whose oldest such call was asked for first in front."""
+@compiled_once
+def _oldest_due_by_pool(*, now: datetime) -> QuerySet:
+    """Each pool's oldest call a gateway job may run now, for each of _due's cases (a pool may be named thrice)."""
     # _due's cases apart, each read off an index: as one OR the planner reads every call not yet finished, ten
     # thousand while as many remote jobs wait for their next poll, on every sweep.
     first, *others = [Operation.objects.filter(due, _claimable(), mode=GATEWAY).order_by()
                       .values("pool").annotate(oldest=Min("id")).values_list("pool", "oldest")
                       for due in _due_apart(now)]
+    return first.union(*others)
+
+
+def _pools_with_due_work(now: datetime) -> list[str]:
+    """Pools with calls a gateway job may run now, the pool whose oldest such call was asked for first in front."""
     oldest: dict[str, int] = {}
-    for pool, op_id in first.union(*others):
+    for pool, op_id in _oldest_due_by_pool(now=now):
         oldest[pool] = min(op_id, oldest.get(pool, op_id))
     return sorted(oldest, key=lambda pool: (oldest[pool], pool))
 
 
-def _at_task_cap(now: datetime):
-    """Tasks with as many calls out as one task may have (LONGHAUL_TASK_CALLS_IN_FLIGHT)."""
-    return (_live(now).order_by().values("task_id").annotate(n=Count("*"))
-            .filter(n__gte=settings.LONGHAUL_TASK_CALLS_IN_FLIGHT).values("task_id"))
+def _at_task_cap(now: datetime, cap: int):
+    """Tasks with `cap` calls out or more (LONGHAUL_TASK_CALLS_IN_FLIGHT: as many as one task may have)."""
+    return _live(now).order_by().values("task_id").annotate(n=Count("*")).filter(n__gte=cap).values("task_id")
+
+
+@compiled_once
+def _ranked_candidates(*, pool: str, now: datetime, limit: int, cap: int) -> QuerySet:
+    """_candidates' rows: (call, task, tenant)."""
+    ranked = (_runnable(pool, now).exclude(task_id__in=_at_task_cap(now, cap)).annotate(
+        nth=Window(RowNumber(), partition_by=[F("task_id")], order_by=F("id").asc()),
+        # Per tenant too: a tenant with a thousand due calls must not hide another tenant's one.
+        nth_of_tenant=Window(RowNumber(), partition_by=[F("task__tenant_id")], order_by=F("id").asc())))
+    return (ranked.filter(nth__lte=cap, nth_of_tenant__lte=limit).order_by("id")
+            .values_list("pk", "task_id", "task__tenant_id")[:CANDIDATES_AT_MOST])
 
 
 def _candidates(pool: str, now: datetime, *, limit: int) -> list[pools.Candidate]:
     """The pool's due calls a claim may start, oldest first: at most `limit` from any one tenant and a
     task's cap from any one task, none from a task already at it (so a task's or a tenant's thousand calls
     cannot hide another's one)."""
-    cap = settings.LONGHAUL_TASK_CALLS_IN_FLIGHT
-    ranked = (_runnable(pool, now).exclude(task_id__in=_at_task_cap(now)).annotate(
-        nth=Window(RowNumber(), partition_by=[F("task_id")], order_by=F("id").asc()),
-        # Per tenant too: a tenant with a thousand due calls must not hide another tenant's one.
-        nth_of_tenant=Window(RowNumber(), partition_by=[F("task__tenant_id")], order_by=F("id").asc())))
-    rows = (ranked.filter(nth__lte=cap, nth_of_tenant__lte=limit).order_by("id")
-            .values_list("pk", "task_id", "task__tenant_id")[:CANDIDATES_AT_MOST])
+    rows = _ranked_candidates(pool=pool, now=now, limit=limit, cap=settings.LONGHAUL_TASK_CALLS_IN_FLIGHT)
     return [pools.Candidate(op_id, task_id, tenant_id) for op_id, task_id, tenant_id in rows]
 
 
@@ -360,14 +371,20 @@ def _choose(pool: str, room: int, now: datetime, *, tenant_busy: Counter[int]) -
     return pools.choose(candidates, room=room, tenant_busy=tenant_busy, task_room=task_room, weights=weights)
 
 
+@compiled_once
+def _out_by_tenant(*, pool: str, now: datetime) -> QuerySet:
+    """(tenant, calls out) of the pool. Each call's tenant through its task's primary key: joined by tenant
+    instead, a planner without statistics nests a loop over every task of the tenant for each call out
+    (milliseconds with a few hundred calls out)."""
+    tenant_of = Subquery(Task.objects.filter(pk=OuterRef("task_id")).values("tenant_id"))
+    return (_live(now).filter(pool=pool).order_by().values(tenant=tenant_of)
+            .annotate(n=Count("*")).values_list("tenant", "n"))
+
+
 def _busy_by_tenant(pool: str, now: datetime) -> Counter[int]:
     """The pool's calls out now, per tenant (every tenant's: choose reads the candidates' only); together,
-    all the pool's calls out. Each call's tenant through its task's primary key: joined by tenant instead, a
-    planner without statistics nests a loop over every task of the tenant for each call out (milliseconds
-    with a few hundred calls out)."""
-    tenant_of = Subquery(Task.objects.filter(pk=OuterRef("task_id")).values("tenant_id"))
-    return Counter(dict(_live(now).filter(pool=pool).order_by().values(tenant=tenant_of)
-                        .annotate(n=Count("*")).values_list("tenant", "n")))
+    all the pool's calls out."""
+    return Counter(dict(_out_by_tenant(pool=pool, now=now)))
 
 
 def _room(pool: Pool, now: datetime, *, in_flight: int | None = None) -> int:
@@ -431,9 +448,16 @@ def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
     asked for first in front: each takes at most its share of what is left, and a pool that took all of its
     share may take more in another pass over what the others left. So a backlog in one pool (two hundred
     model calls) cannot take every slot a job frees while another pool's calls (a search) wait."""
+    return _claim(owner=owner, limit=limit, now=now)[0]
+
+
+def _claim(*, owner: str, limit: int, now: datetime) -> tuple[list[Operation], bool]:
+    """claim_batch, and whether any call was due before it claimed (if none was, a call that ends frees
+    nothing to claim: only a call requested next is)."""
     settle_lost_calls(now=now)
     claimed: list[Operation] = []
     keys = _pools_with_due_work(now)
+    anything_due = bool(keys)
     while keys and len(claimed) < limit:
         may_have_more = []
         for position, key in enumerate(keys):
@@ -446,7 +470,7 @@ def claim_batch(*, owner: str, limit: int, now: datetime) -> list[Operation]:
             if len(rows) == share:
                 may_have_more.append(key)
         keys = may_have_more  # each of them took at least one: the passes end
-    return claimed
+    return claimed, anything_due
 
 
 def _claim_from_pool(key: str, *, owner: str, at_most: int, now: datetime) -> list[Operation]:
@@ -1015,10 +1039,10 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                     await claims.close()
                     await sync_to_async(kick_if_claimable)()
                 room = settings.LONGHAUL_GATEWAY_INFLIGHT - len(in_flight)
-                batch = []
+                batch, anything_due = [], True
                 if room > 0 and claiming:
                     listener.heard.clear()  # before the claim: a commit heard during it calls for another
-                    batch, retries = await claims.run(_claim_for, owner, room, watchdog)
+                    batch, retries, anything_due = await claims.run(_claim_for, owner, room, watchdog)
                     for op in batch:
                         in_flight.add(asyncio.create_task(_run_one(
                             op, owner=owner, client=clients[op.pk % CLIENT_SHARDS], recorder=recorder,
@@ -1027,8 +1051,11 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                 if not in_flight:
                     break
                 # Until a call ends, calls are requested (while there is room to claim them), or it is time to look.
-                # After a claim that found nothing (pools full or held back), what is heard waits for that look.
-                listen = claiming and bool(batch) and len(in_flight) < settings.LONGHAUL_GATEWAY_INFLIGHT
+                # After a claim that found calls due but took none (their pools full or held back), what is heard
+                # waits for a call to end or that look: it could only be held back too. After one that found
+                # nothing due, what is heard is the only thing to claim.
+                listen = (claiming and (bool(batch) or not anything_due)
+                          and len(in_flight) < settings.LONGHAUL_GATEWAY_INFLIGHT)
                 heard = asyncio.create_task(listener.heard.wait()) if listen else None
                 done, _ = await asyncio.wait({*in_flight, *([heard] if heard else [])}, timeout=requested.LOOK_EVERY,
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -1090,14 +1117,15 @@ class DatabaseThread:
             self._executor.shutdown(wait=False)
 
 
-def _claim_for(owner: str, limit: int, watchdog: Watchdog) -> tuple[list[Operation], dict[int, int]]:
-    """One trip to the database thread: a batch claimed, its watchdog moved, its tasks' retries read."""
+def _claim_for(owner: str, limit: int, watchdog: Watchdog) -> tuple[list[Operation], dict[int, int], bool]:
+    """One trip to the database thread: a batch claimed, its watchdog moved, its tasks' retries read, and
+    whether any call was due before it claimed."""
     now = clock.now()
-    batch = claim_batch(owner=owner, limit=limit, now=now)
+    batch, anything_due = _claim(owner=owner, limit=limit, now=now)
     if not batch:
-        return [], {}
+        return [], {}, anything_due
     watchdog.cover(now)
-    return batch, retries_left(op.task_id for op in batch)
+    return batch, retries_left(op.task_id for op in batch), anything_due
 
 
 def run_due(*, run_for: float | None = None) -> int | None:

@@ -6,7 +6,9 @@ the gateway kicks those steps wrote, which only a job without the turn would nee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -249,28 +251,70 @@ def test_a_commit_that_requests_calls_notifies_the_gateway_channel(acme, alice):
     assert [n.channel for n in heard] == [requested.CHANNEL], "one commit to hear of, not two"
 
 
+@contextlib.contextmanager
+def heard_or_not_at_all(settings, monkeypatch, reply: Reply) -> Iterator[FakeOpenAI]:
+    """A fake model server for the calls, and gateway jobs that would look for calls only in a minute: a call
+    they claim sooner, they heard of."""
+    monkeypatch.setattr(requested, "LOOK_EVERY", 60.0)
+    settings.LONGHAUL_MODEL_PROVIDER, settings.LONGHAUL_MODEL, settings.LONGHAUL_MODEL_API_KEY = \
+        "openai", "fake-model", "sk-test"
+    with FakeOpenAI(default=reply) as server:
+        settings.LONGHAUL_MODEL_BASE_URL = server.base_url
+        yield server
+
+
+@contextlib.contextmanager
+def gateway_job() -> Iterator[None]:
+    job = threading.Thread(target=operations.run_due, kwargs={"run_for": 30})
+    job.start()
+    try:
+        yield
+    finally:
+        job.join(timeout=60)
+
+
+def plan_call(tenant, owner, question: str) -> Operation:
+    """A plan call of a task waiting for it."""
+    task = make_task(tenant, owner, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1)
+    return call(task, 0, kind="model", name="plan", args=plan_args(question))
+
+
+def status(op: Operation) -> str:
+    return Operation.objects.get(pk=op.pk).status
+
+
 @on_postgresql
 @pytest.mark.django_db(transaction=True)
 def test_a_running_gateway_job_claims_a_call_requested_meanwhile_without_waiting_to_look(
         acme, alice, settings, monkeypatch):
-    monkeypatch.setattr(requested, "LOOK_EVERY", 60.0)  # without hearing of it, the job would look in a minute
-    settings.LONGHAUL_MODEL_PROVIDER, settings.LONGHAUL_MODEL, settings.LONGHAUL_MODEL_API_KEY = \
-        "openai", "fake-model", "sk-test"
-    with FakeOpenAI(default=Reply(content=PLAN_REPLY, delay=5)) as server:
-        settings.LONGHAUL_MODEL_BASE_URL = server.base_url
-        slow = call(make_task(acme, alice, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1), 0,
-                    kind="model", name="plan", args=plan_args("slow"))
-        job = threading.Thread(target=operations.run_due, kwargs={"run_for": 30})
-        job.start()
-        try:
-            wait_for(lambda: Operation.objects.get(pk=slow.pk).status == Op.STARTED)
-            later = call(make_task(acme, alice, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1),
-                         0, kind="model", name="plan", args=plan_args("later"))
-            wait_for(lambda: Operation.objects.get(pk=later.pk).status != Op.PENDING)
-            assert Operation.objects.get(pk=slow.pk).status == Op.STARTED, "claimed while the first was still out"
-        finally:
-            job.join(timeout=60)
+    with heard_or_not_at_all(settings, monkeypatch, Reply(content=PLAN_REPLY, delay=5)):
+        slow = plan_call(acme, alice, "slow")
+        with gateway_job():
+            wait_for(lambda: status(slow) == Op.STARTED)
+            later = plan_call(acme, alice, "later")
+            wait_for(lambda: status(later) != Op.PENDING)
+            assert status(slow) == Op.STARTED, "claimed while the first was still out"
     assert set(Operation.objects.filter(pk__in=[slow.pk, later.pk]).values_list("status", flat=True)) == {Op.SUCCEEDED}
+
+
+@on_postgresql
+@pytest.mark.django_db(transaction=True)
+def test_a_job_whose_last_look_found_nothing_due_still_hears_the_calls_requested_next(
+        acme, alice, settings, monkeypatch):
+    # Its last look (after the fast call ended) found nothing due: a call requested then must not wait for the
+    # held call to end, nor for the next look.
+    with heard_or_not_at_all(settings, monkeypatch, Reply(content=PLAN_REPLY)) as server:
+        gate = server.hold(lambda body: "held" in str(body))
+        held, fast = plan_call(acme, alice, "held"), plan_call(acme, alice, "fast")
+        with gateway_job():
+            try:
+                wait_for(lambda: status(fast) == Op.SUCCEEDED)
+                later = plan_call(acme, alice, "later")
+                wait_for(lambda: status(later) == Op.SUCCEEDED)
+                assert status(held) == Op.STARTED, "claimed while the held call was out"
+            finally:
+                gate.set()
+    assert status(held) == Op.SUCCEEDED
 
 
 def plan_args(question: str) -> dict[str, Any]:
