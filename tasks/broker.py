@@ -29,11 +29,14 @@ from functools import lru_cache
 from time import monotonic, sleep
 from typing import Any
 
+from django.db.models import QuerySet
 from django.utils import timezone
 from django_q.brokers import get_broker
 from django_q.brokers.orm import ORM
 from django_q.conf import Conf
 from django_q.models import OrmQ
+
+from tasks.compiled import compiled_once
 
 log = logging.getLogger(__name__)
 CHANNEL = "longhaul_kicks"
@@ -65,6 +68,19 @@ def gateway_key(cluster: str) -> str:
 def own_queue() -> str:
     """The queue this process's cluster takes work from."""
     return get_broker().list_key
+
+
+# The pusher's reads at every dequeue, compiled once (tasks/compiled.py). The cluster's ORM database is the
+# default one (settings.Q_CLUSTER["orm"]), the connection compiled reads use.
+@compiled_once
+def _gateway_kick(*, gateway: str, now: datetime) -> QuerySet:
+    return OrmQ.objects.filter(key=gateway, lock__lt=now).values_list("pk", "payload", "lock")[:1]
+
+
+@compiled_once
+def _due_rows(*, queue: str, steps: str, gateway: str, now: datetime) -> QuerySet:
+    return (OrmQ.objects.filter(key__in=[queue, steps, gateway], lock__lt=now)
+            .values_list("pk", "payload", "lock")[:Conf.BULK])
 
 
 def jobs_waiting_sql(*, postgresql: bool) -> str:
@@ -102,11 +118,19 @@ class Broker(ORM):
         return self.get_connection().filter(key__in=self.keys).delete()
 
     def dequeue(self):
-        # ORM.dequeue, over its keys (in no order, as there: an ORDER BY would sort every due row each poll).
-        rows = list(self.get_connection().filter(key__in=self.keys, lock__lt=timezone.now())[:Conf.BULK])
-        taken = [(row.pk, row.payload) for row in rows
+        # ORM.dequeue, over its keys, in no order (as there: an ORDER BY would sort every due row each poll) but
+        # for a gateway kick, taken first: the job it starts runs the calls of every task waiting for one, where
+        # a step kick serves one task. A due gateway kick means no job holds the turn (one that takes the turn
+        # withdraws them, operations.pump), and taken in no order it waited behind the step kicks, seconds in a
+        # wave of them, while the calls the steps asked for waited for a job.
+        queue, steps, gateway = self.keys
+        now = timezone.now()
+        self.get_connection()  # as ORM.dequeue: old connections closed first
+        rows = _gateway_kick(gateway=gateway, now=now)
+        rows += [row for row in _due_rows(queue=queue, steps=steps, gateway=gateway, now=now) if row not in rows]
+        taken = [(pk, payload) for pk, payload, lock in rows[:Conf.BULK]
                  # Another cluster may have been faster on a row: then its lock moved on, and this takes nothing.
-                 if self.get_connection().filter(id=row.id, lock=row.lock).update(lock=self.timeout(row))]
+                 if self.get_connection().filter(id=pk, lock=lock).update(lock=self.timeout(None))]
         if taken:
             return taken
         if not rows:

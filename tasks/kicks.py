@@ -123,6 +123,17 @@ def withdraw(kick_id: int) -> None:
     OrmQ.objects.filter(pk=kick_id).delete()
 
 
+def withdraw_gateway_kicks(now: datetime) -> int:
+    """Delete the gateway kicks due now; by the job that has just taken the turn. They asked for a job to run
+    the calls requested, which this one claims next; one was kicked as each step that asked committed while
+    no job held the turn, and each would run a job only to be refused it. Kicks for later (a pool's rate
+    held back, a job's watchdog) stay."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"DELETE FROM {OrmQ._meta.db_table} WHERE key = %s AND lock <= %s",
+                       [queue_of("operations"), now])
+        return cursor.rowcount
+
+
 def waiting(*, now: datetime, besides: int) -> leases.Waiting:
     """What waits for a worker that has just run a step of task `besides`: one statement. (A claim brings
     the same answer for the task it claims: leases.Resume.waiting.)"""

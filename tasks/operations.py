@@ -245,6 +245,8 @@ def take_gateway_turn() -> bool:
     A session lock, not a transaction's: it is held across the many short claim
     transactions of one job, and PostgreSQL drops it if the job's process dies.
     SQLite (the embedded mode) has no advisory locks; its gateway jobs share the work.
+    The job that takes the turn withdraws the gateway kicks due now: it claims their calls
+    next, and each would only run a job that is refused the turn (kicks.withdraw_gateway_kicks).
     """
     # A refused job keeps its connection for the next one; drop it if it has gone bad meanwhile.
     close_old_connections()
@@ -252,7 +254,10 @@ def take_gateway_turn() -> bool:
         return True
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_try_advisory_lock(%s)", [GATEWAY_TURN_KEY])
-        return bool(cursor.fetchone()[0])
+        taken = bool(cursor.fetchone()[0])
+    if taken:
+        kicks.withdraw_gateway_kicks(clock.now())
+    return taken
 
 
 def end_gateway_turn() -> None:

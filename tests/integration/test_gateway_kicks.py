@@ -1,0 +1,63 @@
+"""A gateway kick waiting means no job holds the turn, and the calls steps asked for wait for one: a pusher
+takes it before the other work due (one job runs the calls of every task waiting, where a step kick serves
+one task), and the job that takes the turn withdraws the gateway kicks due then, each of which would run a
+job only to be refused the turn. Kicks for later stay, and a job refused the turn withdraws nothing."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+import pytest
+from django.conf import settings
+from django.db import connection  # noqa: F401 (the skipif conditions read it)
+from django_q.conf import Conf
+from django_q.models import OrmQ
+
+from tasks import broker, clock, kicks, operations, requested
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.mark.smoke
+def test_a_gateway_kick_is_taken_before_the_jobs_and_step_kicks_due_before_it():
+    main = broker.Broker(list_key=settings.Q_CLUSTER["name"])
+    earlier = [OrmQ.objects.create(key=settings.Q_CLUSTER["name"], payload="a delivery", lock=clock.now()).pk,
+               *(kicks.kick("advance", n) for n in range(3))]
+    gateway = kicks.kick("operations", 9)
+
+    taken = [pk for pk, _ in main.dequeue()]
+    assert taken[0] == gateway, "the gateway kick first"
+    assert len(taken) == Conf.BULK and set(taken[1:]) <= set(earlier), "then the others, up to the bulk"
+    assert gateway not in [pk for pk, _ in main.dequeue()], "taken once"
+
+
+def gateway_kicks() -> set[int]:
+    return set(OrmQ.objects.filter(key=kicks.queue_of("operations")).values_list("pk", flat=True))
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the turn is PostgreSQL's advisory lock")
+def test_the_job_that_takes_the_turn_withdraws_the_gateway_kicks_due_and_keeps_those_for_later():
+    due = {kicks.kick("operations", n) for n in range(3)}
+    later = kicks.kick("operations", 0, at=clock.now() + timedelta(minutes=5))
+    other = kicks.kick("advance", 1)
+
+    assert operations.take_gateway_turn()
+    try:
+        assert gateway_kicks() == {later}, "the due ones withdrawn, the one for later kept"
+        assert OrmQ.objects.filter(pk=other).exists(), "a step kick is not the job's to withdraw"
+    finally:
+        operations.end_gateway_turn()
+    assert due.isdisjoint(gateway_kicks())
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the turn is PostgreSQL's advisory lock")
+def test_a_job_refused_the_turn_withdraws_nothing():
+    due = {kicks.kick("operations", n) for n in range(3)}
+    holder = psycopg.connect(requested.conninfo(), autocommit=True)  # another job's, holding the turn
+    try:
+        holder.execute("SELECT pg_advisory_lock(%s)", [broker.GATEWAY_TURN_KEY])
+        assert not operations.take_gateway_turn()
+        assert gateway_kicks() == due
+    finally:
+        holder.close()
