@@ -29,6 +29,7 @@ from functools import lru_cache
 from time import monotonic, sleep
 from typing import Any
 
+from django.db import connections
 from django.db.models import QuerySet
 from django.utils import timezone
 from django_q.brokers import get_broker
@@ -136,6 +137,15 @@ class Broker(ORM):
         if not rows:
             self._wait_for_a_kick()  # an empty queue: spare the CPU, as ORM.dequeue does
         return None
+
+    def delete(self, task_id: int) -> None:
+        # What the monitor's acknowledgement of every message comes to (ORM.acknowledge, ORM.fail). ORM.delete
+        # runs QuerySet.delete(): a Collector and a transaction of its own, for a row nothing refers to; one
+        # DELETE does it (0.39 ms where that took 0.83 here), once per message, kicks that find their task
+        # already taken included.
+        self.get_connection()  # as ORM: old connections closed first
+        with connections[Conf.ORM].cursor() as cursor:
+            cursor.execute(f"DELETE FROM {OrmQ._meta.db_table} WHERE id = %s", [task_id])
 
     def _wait_for_a_kick(self) -> None:
         """Until a kick is committed (PostgreSQL), or the poll interval has passed."""

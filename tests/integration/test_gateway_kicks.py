@@ -1,7 +1,8 @@
 """A gateway kick waiting means no job holds the turn, and the calls steps asked for wait for one: a pusher
 takes it before the other work due (one job runs the calls of every task waiting, where a step kick serves
 one task), and the job that takes the turn withdraws the gateway kicks due then, each of which would run a
-job only to be refused the turn. Kicks for later stay, and a job refused the turn withdraws nothing."""
+job only to be refused the turn. Kicks for later stay, and a job refused the turn withdraws nothing. Beside
+them, what every message costs the broker at its end: its acknowledgement is one DELETE."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from datetime import timedelta
 import psycopg
 import pytest
 from django.conf import settings
-from django.db import connection  # noqa: F401 (the skipif conditions read it)
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
 from django_q.conf import Conf
 from django_q.models import OrmQ
 
@@ -61,3 +63,14 @@ def test_a_job_refused_the_turn_withdraws_nothing():
         assert gateway_kicks() == due
     finally:
         holder.close()
+
+
+@pytest.mark.smoke
+def test_acknowledging_a_message_deletes_its_row_alone_in_one_statement():
+    main = broker.Broker(list_key=settings.Q_CLUSTER["name"])
+    done, other = kicks.kick("advance", 1), kicks.kick("advance", 2)
+
+    with CaptureQueriesContext(connection) as sent:
+        main.acknowledge(done)
+    assert [q["sql"].split()[0] for q in sent.captured_queries] == ["DELETE"]
+    assert set(OrmQ.objects.values_list("pk", flat=True)) == {other}
