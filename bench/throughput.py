@@ -464,9 +464,9 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
     ]
     if peer is not None:
         total, partial = _index_counts(Task._meta.db_table)
-        verdict = "Why Longhaul's steps/s stay below DBOS's" if lh < dbos_rate else "What a Longhaul step costs"
+        heading = "Why Longhaul's steps/s stay below DBOS's" if lh < dbos_rate else "What a Longhaul step costs"
         report.notes.append(
-            f"{verdict}: under load a step costs {worker_ms_lh:.1f} ms of worker time "
+            f"{heading}: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step (each task's "
             "end included): the one-statement claim, which also brings the checkpoint, whether the step before asked "
             "for calls and what else waits for a worker (so the step after it sends no probe of its own); the fenced "

@@ -121,9 +121,9 @@ class Broker(ORM):
     def dequeue(self):
         # ORM.dequeue, over its keys, in no order (as there: an ORDER BY would sort every due row each poll) but
         # for a gateway kick, taken first: the job it starts runs the calls of every task waiting for one, where
-        # a step kick serves one task. A due gateway kick means no job holds the turn (one that takes the turn
-        # withdraws them, operations.pump), and taken in no order it waited behind the step kicks, seconds in a
-        # wave of them, while the calls the steps asked for waited for a job.
+        # a step kick serves one task. A due gateway kick means no job holds the turn (the job that takes it
+        # withdraws them: operations.take_gateway_turn), and taken in no order it waited behind the step kicks,
+        # seconds in a wave of them, while the calls the steps asked for waited for a job.
         queue, steps, gateway = self.keys
         now = timezone.now()
         self.get_connection()  # as ORM.dequeue: old connections closed first

@@ -128,10 +128,7 @@ def withdraw_gateway_kicks(now: datetime) -> int:
     the calls requested, which this one claims next; one was kicked as each step that asked committed while
     no job held the turn, and each would run a job only to be refused it. Kicks for later (a pool's rate
     held back, a job's watchdog) stay."""
-    with connection.cursor() as cursor:
-        cursor.execute(f"DELETE FROM {OrmQ._meta.db_table} WHERE key = %s AND lock <= %s",
-                       [queue_of("operations"), now])
-        return cursor.rowcount
+    return OrmQ.objects.filter(key=queue_of("operations"), lock__lte=now).delete()[0]
 
 
 def waiting(*, now: datetime, besides: int) -> leases.Waiting:
