@@ -14,7 +14,6 @@ class ThreadStreamConsumer(StreamConsumer):
     """ws/threads/<uuid>/?after=N: status changes of the thread's tasks (see chat.streams.ThreadStream)."""
 
     subject_kwarg = "thread_id"
-    wakeup_types = StreamConsumer.wakeup_types | {"thread.wakeup"}
 
     def open_stream(self, user: Any, public_id: uuid.UUID, *, tenant_slug: str | None) -> Stream | None:
         return ThreadStream.open(user, public_id, tenant_slug=tenant_slug)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import Any, ParamSpec
+from typing import Any, ParamSpec, overload
 
 from django.db import connection
 from django.db.models import QuerySet
@@ -59,14 +59,14 @@ class _Statement:
         self.sql, self.params, self.places, self.converters = sql, params, places, converters
 
     @classmethod
-    def compile(cls, build: Callable[..., QuerySet], values: dict[str, Any]) -> _Statement:
+    def compile(cls, build: Callable[..., QuerySet], values: dict[str, Any], shape: dict[str, Any]) -> _Statement:
         """Compiled twice, with two sets of stand-ins: the SQL must be the same, and the parameters that differ
         must be the stand-ins' and all of them (a constant equal to a stand-in by chance, or a value that
         shapes the statement, would show)."""
         names = sorted(values)
         first, second = ({name: _stand_in(name, values[name], 2 * n + k) for n, name in enumerate(names)}
                          for k in (0, 1))
-        (sql, params, converters), (other_sql, other_params, _) = (cls._sql(build, stand_ins)
+        (sql, params, converters), (other_sql, other_params, _) = (cls._sql(build, stand_ins | shape)
                                                                    for stand_ins in (first, second))
         places = {name: [i for i, p in enumerate(params) if p == _adapted(first[name])] for name in names}
         for name, found in places.items():
@@ -108,21 +108,39 @@ class _Statement:
         return tuple(values)
 
 
-def compiled_once(build: Callable[P, QuerySet]) -> Callable[P, list[Row]]:
+@overload
+def compiled_once(build: Callable[P, QuerySet]) -> Callable[P, list[Row]]: ...
+
+
+@overload
+def compiled_once(*, shaped_by: tuple[str, ...]) -> Callable[[Callable[P, QuerySet]], Callable[P, list[Row]]]: ...
+
+
+def compiled_once(build: Callable[P, QuerySet] | None = None, *, shaped_by: tuple[str, ...] = ()) -> Any:
     """`build(**values)`, a QuerySet of values_list rows, run as its statement compiled once per process and
-    database vendor; returns its rows. Arguments by keyword only."""
-    statements: dict[str, _Statement] = {}
+    database vendor; returns its rows. Arguments by keyword only.
+
+    `shaped_by` names arguments that shape the statement rather than fill a parameter (a slice's LIMIT):
+    they are passed to `build` as they are, and each value of theirs gets a statement of its own. Keep
+    them to a few values a process uses, such as a batch size."""
+    if build is None:
+        return functools.partial(compiled_once, shaped_by=shaped_by)
+    statements: dict[tuple[Any, ...], _Statement] = {}
 
     @functools.wraps(build)
     def run(*args: P.args, **values: P.kwargs) -> list[Row]:
         if args:
             raise TypeError(f"{build.__qualname__}: arguments by keyword only")
-        statement = statements.get(connection.vendor)
+        shape = {name: values.pop(name) for name in shaped_by if name in values}
+        key = (connection.vendor, *(shape.get(name) for name in shaped_by))
+        statement = statements.get(key)
         if statement is None:
-            statement = statements[connection.vendor] = _Statement.compile(build, values)
+            if shape.keys() != set(shaped_by):
+                raise TypeError(f"{build.__qualname__}: called without {sorted(set(shaped_by) - shape.keys())}")
+            statement = statements[key] = _Statement.compile(build, values, shape)
         if values.keys() != statement.places.keys():
-            raise TypeError(f"{build.__qualname__}: called with {sorted(values)}, "
-                            f"compiled for {sorted(statement.places)}")
+            raise TypeError(f"{build.__qualname__}: called with {sorted(values | shape)}, "
+                            f"compiled for {sorted(statement.places.keys() | shape.keys())}")
         return statement.fetchall(values)
 
     return run

@@ -34,6 +34,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 
 from project.socket_limits import HEARTBEAT_S, Slot, socket_slots
 from project.ws_credentials import Credential, credential_of, still_signed_in
+from tasks.group_listeners import group_listeners
 from tasks.models import Membership
 from tasks.read_threads import read_threads
 from tasks.streams import (
@@ -86,8 +87,6 @@ class StreamConsumer(AsyncWebsocketConsumer):
     """Streams one subject's items after the client's cursor; subclasses say which subject."""
 
     subject_kwarg: str = ""
-    # Channel-layer messages that only hint at new items (tasks.events.wake_group sends task.wakeup).
-    wakeup_types: frozenset[str] = frozenset({"task.wakeup"})
     batch_size: int = BATCH_SIZE
     max_batches_behind: int = MAX_BATCHES_BEHIND
     slot: Slot | None = None  # held from an accepted connect until the socket closes
@@ -147,10 +146,10 @@ class StreamConsumer(AsyncWebsocketConsumer):
         await self._follow(grant.stream, cursor)
 
     async def _follow(self, stream: Stream, cursor: int) -> None:
-        # Join the group before the first read, so a commit between the two still wakes us.
-        await self.channel_layer.group_add(stream.group, self.channel_name)
-        self.groups.append(stream.group)  # websocket_disconnect discards it
         self.stream = stream
+        # Listen before the first read, so a commit between the two still wakes us.
+        self.listeners = group_listeners(self.channel_layer)
+        await self.listeners.join(stream.group, self.stream_wakeup)
         self.follower = Follower(
             read=shared_reader(stream, read_threads().to_async(stream.read_after)),
             send=self.send_message,
@@ -221,17 +220,8 @@ class StreamConsumer(AsyncWebsocketConsumer):
     async def send_message(self, message: Message) -> None:
         await self.send(text_data=json.dumps(message, cls=DjangoJSONEncoder))
 
-    async def dispatch(self, message: Message) -> None:
-        # Channels runs close_old_connections in the database thread before every handler;
-        # a wake-up touches no database (the follower's reads clean up for themselves), and
-        # that hop per subscriber per commit is what would crowd out the reads themselves.
-        if message["type"] in self.wakeup_types:
-            self.stream_wakeup(message)
-        else:
-            await super().dispatch(message)
-
     def stream_wakeup(self, message: Message) -> None:
-        """A channel-layer hint that the stream may have new items."""
+        """A channel-layer hint that the stream may have new items (from tasks/group_listeners.py)."""
         follower = getattr(self, "follower", None)
         if follower is not None:
             follower.wake(self.stream.announced_seq(message))
@@ -245,6 +235,10 @@ class StreamConsumer(AsyncWebsocketConsumer):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        listeners = getattr(self, "listeners", None)
+        if listeners is not None:
+            # Shielded, as the slot's release: a group left joined would wake this process for nothing.
+            await asyncio.shield(listeners.leave(self.stream.group, self.stream_wakeup))
         await self._release_slot()
 
 

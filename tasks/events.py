@@ -146,9 +146,14 @@ def wake_group(group: str, *, seq: int = 0) -> None:
     wakeup_sender().wake(group, seq)
 
 
+def wakeup(group: str, seq: int) -> dict[str, Any]:
+    """The message: it names its group, since listeners share one channel (tasks/group_listeners.py)."""
+    return {"type": "task.wakeup", "group": group, "seq": seq}
+
+
 def _send_now(layer: Any, group: str, seq: int) -> None:
     try:
-        async_to_sync(layer.group_send)(group, {"type": "task.wakeup", "seq": seq})
+        async_to_sync(layer.group_send)(group, wakeup(group, seq))
     except Exception:  # a lost wake-up delays an event, it never drops one
         log.warning("wake-up for %s failed", group, exc_info=True)
 
@@ -202,7 +207,7 @@ class WakeupSender:
             for start in range(0, len(items), SENDS_AT_ONCE):
                 chunk = items[start:start + SENDS_AT_ONCE]
                 results = await asyncio.gather(
-                    *(layer.group_send(group, {"type": "task.wakeup", "seq": seq}) for group, seq in chunk),
+                    *(layer.group_send(group, wakeup(group, seq)) for group, seq in chunk),
                     return_exceptions=True)
                 for (group, _), result in zip(chunk, results):
                     if isinstance(result, BaseException):  # a lost wake-up delays an event, it never drops one

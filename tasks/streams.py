@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any, Protocol
 
+from channels.layers import BaseChannelLayer, InMemoryChannelLayer
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from channels.layers import BaseChannelLayer, InMemoryChannelLayer
+from django.db.models import QuerySet
 
 from project.env import envfloat
+from tasks.compiled import compiled_once
 from tasks.events import task_group
 from tasks.models import Task, TaskEvent
 from tasks.serializers import EventSerializer
@@ -90,6 +92,17 @@ def end_message(status: str, result_version: int) -> Message:
     return {"type": "end", "status": status, "result_version": result_version}
 
 
+EVENT_COLUMNS = ("seq", "kind", "status", "at", "data", "task__status", "task__last_event_seq", "task__result_version")
+
+
+@compiled_once(shaped_by=("limit",))
+def _events_after(*, task_id: int, cursor: int, limit: int) -> QuerySet:
+    # One statement: the task columns come from the same snapshot as the events, so "terminal and nothing
+    # after the last row" is decided without a race. Compiled once: every commit has each process's
+    # followers of the task read it, and building it cost more than running it.
+    return TaskEvent.objects.filter(task_id=task_id, seq__gt=cursor).order_by("seq").values_list(*EVENT_COLUMNS)[:limit]
+
+
 @dataclass(frozen=True)
 class TaskStream:
     """A task's events by seq (gapless per task, assigned under the task row's lock, so seq order is commit order)."""
@@ -118,14 +131,8 @@ class TaskStream:
         return None
 
     def read_after(self, cursor: int, limit: int) -> Batch:
-        # One statement: the task columns come from the same snapshot as the events,
-        # so "terminal and nothing after the last row" is decided without a race.
-        rows = list(
-            TaskEvent.objects.filter(task_id=self.task_pk, seq__gt=cursor)
-            .order_by("seq")
-            .values("seq", "kind", "status", "at", "data",
-                    "task__status", "task__last_event_seq", "task__result_version")[:limit]
-        )
+        found = _events_after(task_id=self.task_pk, cursor=cursor, limit=limit)
+        rows = [dict(zip(EVENT_COLUMNS, row)) for row in found]
         if not rows:
             return Batch([])
         last = rows[-1]

@@ -85,3 +85,26 @@ def test_a_call_with_other_arguments_than_it_was_compiled_for_is_refused(acme, a
     assert read(name="a") == []
     with pytest.raises(TypeError, match=r"called with \['kind'\], compiled for \['name'\]"):
         read(kind="sleep")
+
+
+def test_an_argument_that_shapes_the_statement_gets_a_statement_for_each_of_its_values(acme, alice):
+    for priority in range(5):
+        make_task(acme, alice, name="a", priority=priority)
+    builds = []
+
+    @compiled_once(shaped_by=("limit",))
+    def first(*, name: str, limit: int) -> QuerySet:
+        builds.append(limit)
+        return Task.objects.filter(name=name).order_by("priority").values_list("priority", flat=True)[:limit]
+
+    assert [first(name="a", limit=limit) for limit in (2, 3, 2)] == [[(0,), (1,)], [(0,), (1,), (2,)], [(0,), (1,)]]
+    assert first(name="b", limit=3) == []
+    assert builds == [2, 2, 3, 3], "built twice when compiled for each limit, never again"
+    with pytest.raises(TypeError, match=r"called without \['limit'\]"):
+        first(name="a")
+
+
+def test_an_argument_that_shapes_the_statement_unnamed_as_such_is_refused(acme, alice):
+    read = compiled_once(lambda *, limit: Task.objects.order_by("id").values_list("id")[:limit])
+    with pytest.raises(TypeError, match="limit does not reach the SQL as a parameter of its own"):
+        read(limit=2)

@@ -202,8 +202,8 @@ async def test_a_burst_of_wakeups_sends_each_event_once(acme, alice, alice_cooki
     await database_sync_to_async(append_events)(task, 5)
     layer = get_channel_layer()
     # Wake-ups that say nothing about seq cannot be filtered out: each must still cost no duplicate.
-    await asyncio.gather(*(layer.group_send(events.task_group(task.public_id), {"type": "task.wakeup"})
-                           for _ in range(20)))
+    group = events.task_group(task.public_id)
+    await asyncio.gather(*(layer.group_send(group, {"type": "task.wakeup", "group": group}) for _ in range(20)))
     assert await seqs_until(comm, 5) == [1, 2, 3, 4, 5]
     await database_sync_to_async(append_events)(task, 1)
     assert await seqs_until(comm, 6) == [6]
@@ -236,8 +236,8 @@ class Writer(threading.Thread):
     def wake(self, public_id: object, seq: int, **_: object) -> None:
         """The wake-up another process would send through a cross-process layer."""
         layer = get_channel_layer()
-        message = {"type": "task.wakeup", "seq": seq}
-        asyncio.run_coroutine_threadsafe(layer.group_send(events.task_group(public_id), message), self.loop)
+        group = events.task_group(public_id)
+        asyncio.run_coroutine_threadsafe(layer.group_send(group, events.wakeup(group, seq)), self.loop)
 
 
 async def test_a_client_that_reconnects_with_its_last_seq_misses_nothing_and_gets_nothing_twice(
