@@ -1,10 +1,10 @@
 """A web process joins each wake-up group once, and hands each wake-up to every stream in it that follows it.
 
-With a channel per socket, a commit on a task that ten sockets of one daphne follow costs ten deliveries:
-ten entries in group_send's script, ten messages routed out of the process's inbox, ten consumer
-dispatches, all on the event loop that also sends the events. Here the process listens on one channel of
-its own, joins a group when its first listener comes and leaves it when its last one goes: one delivery
-per process per commit, then a plain call per listener.
+With a channel per socket, a commit on a task that ten sockets of one daphne follow was delivered ten times
+in the process: channels_redis sends one message to the process naming the ten channels, then fills ten
+channel queues, wakes ten consumers and runs ten dispatches, all on the event loop that also sends the
+events. Here the process listens on one channel of its own, joins a group when its first listener comes and
+leaves it when its last one goes: one delivery per process per commit, then a plain call per listener.
 
 A group_send does not say which group a message came through, so a wake-up names it (`group`, put in by
 tasks.events.wake_group). Joins and leaves take turns (one lock), so a group whose last listener leaves
