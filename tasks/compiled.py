@@ -123,6 +123,8 @@ def compiled_once(build: Callable[P, QuerySet] | None = None, *, shaped_by: tupl
     `shaped_by` names arguments that shape the statement rather than fill a parameter (a slice's LIMIT):
     they are passed to `build` as they are, and each value of theirs gets a statement of its own. Keep
     them to a few values a process uses, such as a batch size."""
+    if isinstance(shaped_by, str):
+        raise TypeError(f"shaped_by takes a tuple of argument names, not the string {shaped_by!r}")
     if build is None:
         return functools.partial(compiled_once, shaped_by=shaped_by)
     statements: dict[tuple[Any, ...], _Statement] = {}
@@ -131,12 +133,14 @@ def compiled_once(build: Callable[P, QuerySet] | None = None, *, shaped_by: tupl
     def run(*args: P.args, **values: P.kwargs) -> list[Row]:
         if args:
             raise TypeError(f"{build.__qualname__}: arguments by keyword only")
-        shape = {name: values.pop(name) for name in shaped_by if name in values}
-        key = (connection.vendor, *(shape.get(name) for name in shaped_by))
+        missing = sorted(set(shaped_by) - values.keys())
+        if missing:
+            raise TypeError(f"{build.__qualname__}: called without {missing}")
+        shape = {name: values.pop(name) for name in shaped_by}
+        # By type too: True and 1 are equal, and would share a statement.
+        key = (connection.vendor, *((type(value), value) for value in shape.values()))
         statement = statements.get(key)
         if statement is None:
-            if shape.keys() != set(shaped_by):
-                raise TypeError(f"{build.__qualname__}: called without {sorted(set(shaped_by) - shape.keys())}")
             statement = statements[key] = _Statement.compile(build, values, shape)
         if values.keys() != statement.places.keys():
             raise TypeError(f"{build.__qualname__}: called with {sorted(values | shape)}, "

@@ -147,9 +147,6 @@ class StreamConsumer(AsyncWebsocketConsumer):
 
     async def _follow(self, stream: Stream, cursor: int) -> None:
         self.stream = stream
-        # Listen before the first read, so a commit between the two still wakes us.
-        self.listeners = group_listeners(self.channel_layer)
-        await self.listeners.join(stream.group, self.stream_wakeup)
         self.follower = Follower(
             read=shared_reader(stream, read_threads().to_async(stream.read_after)),
             send=self.send_message,
@@ -159,6 +156,15 @@ class StreamConsumer(AsyncWebsocketConsumer):
             batch_size=self.batch_size,
             max_batches_behind=self.max_batches_behind,
         )
+        # Listen before the first read, so a commit between the two still wakes us.
+        listeners = group_listeners(self.channel_layer)
+        try:
+            await listeners.join(stream.group, self.stream_wakeup)
+        except Exception:  # the layer is away: the client reconnects with its cursor, as after any 4500
+            log.exception("listening to %s failed", stream.group)
+            await self._end(Ending(CloseCode.INTERNAL_ERROR))
+            return
+        self.listeners = listeners
         self.follow_task = asyncio.create_task(self._stay_open())
 
     async def _stay_open(self) -> None:
@@ -235,10 +241,14 @@ class StreamConsumer(AsyncWebsocketConsumer):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # Shielded: a disconnect cancelled half-way must still free the slot (else taken until it expires) and
+        # stop listening (else the socket's consumer is kept, and the group joined, for as long as the process).
+        await asyncio.shield(self._let_go())
+
+    async def _let_go(self) -> None:
         listeners = getattr(self, "listeners", None)
         if listeners is not None:
-            # Shielded, as the slot's release: a group left joined would wake this process for nothing.
-            await asyncio.shield(listeners.leave(self.stream.group, self.stream_wakeup))
+            await listeners.leave(self.stream.group, self.stream_wakeup)
         await self._release_slot()
 
 

@@ -95,16 +95,21 @@ def test_an_argument_that_shapes_the_statement_gets_a_statement_for_each_of_its_
     @compiled_once(shaped_by=("limit",))
     def first(*, name: str, limit: int) -> QuerySet:
         builds.append(limit)
-        return Task.objects.filter(name=name).order_by("priority").values_list("priority", flat=True)[:limit]
+        return Task.objects.filter(name=name).order_by("priority").values_list("priority")[:limit]
 
     assert [first(name="a", limit=limit) for limit in (2, 3, 2)] == [[(0,), (1,)], [(0,), (1,), (2,)], [(0,), (1,)]]
     assert first(name="b", limit=3) == []
     assert builds == [2, 2, 3, 3], "built twice when compiled for each limit, never again"
     with pytest.raises(TypeError, match=r"called without \['limit'\]"):
         first(name="a")
+    assert first(name="a", limit=None) == [(n,) for n in range(5)]
+    with pytest.raises(TypeError, match=r"called without \['limit'\]"):
+        first(name="a")  # not taken for the statement without a limit compiled just now
 
 
 def test_an_argument_that_shapes_the_statement_unnamed_as_such_is_refused(acme, alice):
     read = compiled_once(lambda *, limit: Task.objects.order_by("id").values_list("id")[:limit])
     with pytest.raises(TypeError, match="limit does not reach the SQL as a parameter of its own"):
         read(limit=2)
+    with pytest.raises(TypeError, match="a tuple of argument names"):
+        compiled_once(shaped_by="limit")
