@@ -54,6 +54,7 @@ class GroupListeners:
         self._starting = asyncio.Lock()
         self._channel: str | None = None
         self._loops: list[asyncio.Task[None]] = []
+        self._sending: asyncio.Future[None] | None = None  # the check's send to its own group
         self._warned_unnamed = False
 
     async def join(self, group: str, listener: Listener) -> None:
@@ -160,8 +161,10 @@ class GroupListeners:
 
     async def _answers(self) -> bool:
         """Whether a wake-up sent to the process's own group comes back."""
+        if self._sending is not None and not self._sending.done():
+            return False  # the last check's send has not ended: one at most is left waiting, not one per check
         self._answered.clear()
-        sending = asyncio.ensure_future(
+        sending = self._sending = asyncio.ensure_future(
             self.layer.group_send(self._own_group, {"type": "task.wakeup", "group": self._own_group}))
         done, _ = await asyncio.wait({sending}, timeout=ANSWER_S)
         if not done:

@@ -5,6 +5,7 @@ lost them (tasks/group_listeners.py)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 
@@ -195,6 +196,40 @@ async def test_a_wakeup_that_names_no_group_is_reported_once(in_memory, caplog):
     assert [record.message for record in caplog.records].count(
         "a wake-up that names no group (sent by a process older than this one) reached no stream; streams read at "
         "their safety poll until every process is updated") == 1
+
+
+class StuckSends(PausingLayer):
+    """A layer whose sends to a process's own group never end, even when cancelled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.own_sends = 0
+        self.ended = asyncio.Event()  # set at the test's end, so no task outlives its loop
+
+    async def group_send(self, group: str, message: dict) -> None:
+        if not group.startswith("listeners-"):
+            return await super().group_send(group, message)
+        self.own_sends += 1
+        while not self.ended.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.ended.wait()
+
+
+async def test_a_check_whose_send_never_ends_leaves_one_send_waiting_not_one_per_check(monkeypatch):
+    monkeypatch.setattr(group_listeners, "CHECK_S", 0.01)
+    monkeypatch.setattr(group_listeners, "ANSWER_S", 0.01)
+    layer = StuckSends()
+    listeners = GroupListeners(layer)
+    await listeners.join("g", print)
+    own = [group for group in layer.adds if group.startswith("listeners-")]
+    try:
+        async with asyncio.timeout(WAIT):
+            while layer.adds.count(own[0]) < 4:  # the first join, then three checks that got no answer
+                await asyncio.sleep(0.01)
+        assert layer.own_sends == 1
+    finally:
+        layer.ended.set()
+        await asyncio.wait(listeners.stop(), timeout=WAIT)
 
 
 # --- on Redis: memberships the layer lost ---------------------------------------------
