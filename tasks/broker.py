@@ -126,12 +126,14 @@ class Broker(ORM):
         # seconds in a wave of them, while the calls the steps asked for waited for a job.
         queue, steps, gateway = self.keys
         now = timezone.now()
-        self.get_connection()  # as ORM.dequeue: old connections closed first
+        # As ORM.dequeue, old connections are closed first, but once: ORM.dequeue does it again for each row it
+        # takes, and with CONN_HEALTH_CHECKS each time costs a SELECT 1 before the row's UPDATE.
+        broker_rows = self.get_connection()
         rows = _gateway_kick(gateway=gateway, now=now)
         rows += [row for row in _due_rows(queue=queue, steps=steps, gateway=gateway, now=now) if row not in rows]
         taken = [(pk, payload) for pk, payload, lock in rows[:Conf.BULK]
                  # Another cluster may have been faster on a row: then its lock moved on, and this takes nothing.
-                 if self.get_connection().filter(id=pk, lock=lock).update(lock=self.timeout(None))]
+                 if broker_rows.filter(id=pk, lock=lock).update(lock=self.timeout(None))]
         if taken:
             return taken
         if not rows:

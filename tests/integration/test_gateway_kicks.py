@@ -11,7 +11,7 @@ from datetime import timedelta
 import psycopg
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import connection, connections
 from django.test.utils import CaptureQueriesContext
 from django_q.conf import Conf
 from django_q.models import OrmQ
@@ -74,3 +74,21 @@ def test_acknowledging_a_message_deletes_its_row_alone_in_one_statement():
         main.acknowledge(done)
     assert [q["sql"].split()[0] for q in sent.captured_queries] == ["DELETE"]
     assert set(OrmQ.objects.values_list("pk", flat=True)) == {other}
+
+
+def test_a_dequeue_checks_its_connection_once_however_many_rows_it_takes(monkeypatch):
+    """django-q2 closes old connections at each use of its broker, and with CONN_HEALTH_CHECKS that costs a
+    round trip (SELECT 1) at the next statement: once for the reads, and not again for each row taken."""
+    main = broker.Broker(list_key=settings.Q_CLUSTER["name"])
+    due = {kicks.kick("advance", n) for n in range(Conf.BULK + 1)}
+    orm = connections[Conf.ORM]
+    assert orm.health_check_enabled, "settings check connections before use: the cost this test counts"
+    checks = []
+    is_usable = orm.is_usable
+    monkeypatch.setattr(orm, "is_usable", lambda: checks.append(1) or is_usable())
+
+    with CaptureQueriesContext(orm) as sent:
+        taken = [pk for pk, _ in main.dequeue()]
+    assert len(taken) == Conf.BULK and set(taken) <= due
+    assert len(checks) == 1, f"one health check for the dequeue, not one more per row ({len(checks)})"
+    assert [q["sql"].split()[0] for q in sent.captured_queries].count("UPDATE") == Conf.BULK
