@@ -77,8 +77,9 @@ def kick_many(job: str, task_ids: Iterable[int]) -> None:
 
 
 def kick_calls(task_id: int, *, at: datetime) -> None:
-    """Inside the commit that requested the task's calls, due at `at`: a gateway job for them, unless the
-    job holding the turn will hear them.
+    """In the commit that requested the task's calls, due at `at` (inside its transaction, or right after a
+    step's statement that committed alone): a gateway job for them, unless the job holding the turn will
+    hear them.
 
     That job hears the commit (tasks/requested.py), and on its way out, once it has given the turn back, it
     kicks what is left (operations.kick_if_claimable); a kick would only run a job that is refused the turn,

@@ -112,13 +112,7 @@ def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime,
     step = task.current_step if step is None else step
     first = 0 if new_step else Operation.objects.filter(
         task_id=task.pk, step=step, key__startswith=f"{task.pk}:{step}:{prefix}").count()
-    rows = [
-        Operation(task_id=task.pk, key=f"{task.pk}:{step}:{prefix}{n}", step=step, n=n, kind=r.kind, name=r.name,
-                  pool=pools.key_of(r.kind, r.name, r.args), mode=GATEWAY, args=r.args, args_digest=digest(r.args),
-                  status=OperationStatus.PENDING, fencing_token=token, attempts=0, has_side_effects=r.once,
-                  not_before=r.not_before, created_at=now)
-        for n, r in enumerate(requests, start=first)
-    ]
+    rows = new_calls(task, token=token, requests=requests, now=now, step=step, first=first, prefix=prefix)
     keys = {op.pool for op in rows}
     paused = _store_reading_pauses(rows, pools.paused_among(keys, now=now))
     due = max(now, min(r.not_before or now for r in requests))
@@ -130,6 +124,18 @@ def request(task: Task, *, token: int, requests: list[OpRequest], now: datetime,
         if set(paused) == keys:  # a call in a pool that is not paused goes at once
             due = max(due, min(paused.values()))
     return due
+
+
+def new_calls(task: Task, *, token: int, requests: Sequence[OpRequest], now: datetime, step: int, first: int = 0,
+              prefix: str = "r") -> list[Operation]:
+    """The pending rows of the calls a step asks for, unsaved, numbered from `first` (keys as request() says)."""
+    return [
+        Operation(task_id=task.pk, key=f"{task.pk}:{step}:{prefix}{n}", step=step, n=n, kind=r.kind, name=r.name,
+                  pool=pools.key_of(r.kind, r.name, r.args), mode=GATEWAY, args=r.args, args_digest=digest(r.args),
+                  status=OperationStatus.PENDING, fencing_token=token, attempts=0, has_side_effects=r.once,
+                  not_before=r.not_before, created_at=now)
+        for n, r in enumerate(requests, start=first)
+    ]
 
 
 def _store_reading_pauses(rows: list[Operation], pauses: QuerySet[Pool, tuple[str, datetime]]) -> dict[str, datetime]:

@@ -236,6 +236,17 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                                    checkpoint=_checkpoint(task, token, driver, outcome.state, now=now)):
             return task if keep_lease else None
         tried = True
+    elif (_asks_for_calls(outcome) and _due_now_at_the_gateway(outcome, now)
+          and transitions.calls_commit_alone(events, tool=_asks_for_tools(outcome))
+          and not _quiet(outcome, state_before, events, task.current_step)):
+        # A step that asks for calls a gateway job runs now (research): the move, its checkpoint, its events and
+        # the calls in one fenced statement that commits by itself, then the gateway's kick. It loses, writing
+        # nothing, when the lease moved on, a stop or the slot back was asked for, or a pool of its calls is
+        # paused (news the locked commit below writes with the move).
+        if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED,
+                              checkpoint=_checkpoint(task, token, driver, outcome.state, now=now), alone=True):
+            return None
+        tried = True
     with transaction.atomic():
         if _plain(outcome) and not tried:
             # The common step, checkpoint and next step due, in one fenced statement with no row read first:
@@ -250,7 +261,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
                         hand_on(task.pk)
                     return None
                 return task
-        elif _asks_for_calls(outcome) and not _quiet(outcome, state_before, events, task.current_step):
+        elif _asks_for_calls(outcome) and not tried and not _quiet(outcome, state_before, events, task.current_step):
             # A step that asks for calls (research, MCP): the same fenced statement with no row read first (the
             # checkpoint its own), then its calls; the locked commit below when it loses.
             if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED,
@@ -320,6 +331,16 @@ def _asks_for_calls(outcome: Outcome) -> bool:
     return isinstance(outcome, Continue) and bool(outcome.requests) and outcome.remote is None
 
 
+def _asks_for_tools(outcome: Continue) -> bool:
+    return any(r.kind == "tool" for r in outcome.requests)
+
+
+def _due_now_at_the_gateway(outcome: Continue, now: datetime) -> bool:
+    """Calls a gateway job runs as soon as it claims them: of no remote server (whose task the step follows
+    with transitions.wait_for_remote), none put off to later (whose kick is the step's to write, for then)."""
+    return all(r.kind != "mcp" and (r.not_before is None or r.not_before <= now) for r in outcome.requests)
+
+
 def _quiet(outcome: Outcome, state_before: dict | None, events: list[NewEvent], current_step: int) -> bool:
     """A poll that learned nothing new is no step: no checkpoint (the last one says the same) and no step
     counted, only its next poll, which joins the calls of the step that asked for the first."""
@@ -328,23 +349,33 @@ def _quiet(outcome: Outcome, state_before: dict | None, events: list[NewEvent], 
 
 
 def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[NewEvent], *, now: datetime,
-                       step_done: bool = True, guard: Q | None = None, checkpoint: Checkpoint | None = None) -> bool:
-    """Inside the fenced commit: store the calls the step asked for and wait for them, holding no worker;
+                       step_done: bool = True, guard: Q | None = None, checkpoint: Checkpoint | None = None,
+                       alone: bool = False) -> bool:
+    """In the step's commit: store the calls the step asked for and wait for them, holding no worker;
     False (nothing written) when the fenced UPDATE lost. `step_done=False`: the step counts for nothing,
-    and its calls join those of the step before. `guard`, `checkpoint`: as transitions.commit_step's."""
+    and its calls join those of the step before. `guard`, `checkpoint`: as transitions.commit_step's.
+    `alone`: outside any transaction, the calls stored by the fenced statement, which commits by itself and
+    loses too while a pool of the calls is paused (runner._commit says when it may)."""
     step = task.current_step if step_done else task.current_step - 1  # before the transition moves it on
     if any(r.kind == "mcp" for r in outcome.requests):
         # The remote tool is working: the task says running while its calls (and polls) are out.
         won = transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
                                           tracking_degraded=outcome.tracking_degraded, guard=guard,
                                           checkpoint=checkpoint)
+    elif alone:
+        assert step_done, "a step that counts for nothing adds its calls to the step before's (request() numbers them)"
+        calls = operations.new_calls(task, token=token, requests=outcome.requests, now=now, step=step)
+        won = transitions.wait_for_operations(task, token=token, now=now, tool=_asks_for_tools(outcome), events=events,
+                                              guard=guard, checkpoint=checkpoint, calls=calls)
     else:
-        tool = any(r.kind == "tool" for r in outcome.requests)
-        won = transitions.wait_for_operations(task, token=token, now=now, tool=tool, events=events,
+        won = transitions.wait_for_operations(task, token=token, now=now, tool=_asks_for_tools(outcome), events=events,
                                               step_done=step_done, guard=guard, checkpoint=checkpoint)
     if not won:
         return False
-    due = operations.request(task, token=token, requests=outcome.requests, now=now, step=step, new_step=step_done)
+    if alone:
+        due = now  # every call is due now, and none of their pools is paused (the move's guard)
+    else:
+        due = operations.request(task, token=token, requests=outcome.requests, now=now, step=step, new_step=step_done)
     kicks.kick_calls(task.pk, at=due)
     return True
 

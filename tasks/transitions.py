@@ -9,6 +9,7 @@ a race gets False and must re-read, never overwrite.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -20,7 +21,7 @@ from django.db.models.sql.subqueries import UpdateQuery
 from tasks import admission_records, prepared, sealed, typed_sql
 from tasks.errors import InvalidTransition
 from tasks.events import NewEvent, append, heard, unsaved, written
-from tasks.models import Checkpoint, Operation, Task, TaskEvent
+from tasks.models import Checkpoint, Operation, Pool, Task, TaskEvent
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, OperationStatus, TaskStatus
 
 TOLD = frozenset({TaskStatus.WAITING_INPUT, TaskStatus.PARTIAL, TaskStatus.SUCCEEDED, TaskStatus.FAILED,
@@ -53,13 +54,17 @@ def _move(
     events: list[NewEvent],
     checkpoint: Checkpoint | None = None,
     alone: bool = False,
+    calls: Sequence[Operation] = (),
 ) -> bool:
-    """`checkpoint`: the step's, written by the transition's own UPDATE, only if it wins. `alone`: the
-    UPDATE commits by itself, outside any transaction (commits_alone says when it may)."""
+    """`checkpoint`: the step's, written by the transition's own UPDATE, only if it wins; so are `calls`, the
+    pending calls a step asks for. `alone`: the UPDATE commits by itself, outside any transaction
+    (commits_alone says when it may)."""
     if task.status not in allowed_from:
         raise InvalidTransition(task.public_id, task.status, to)
     if alone:
-        assert to == task.status == S.RUNNING and commits_alone(events), "only a step's commit writes nothing more"
+        # Running on, or waiting for its calls with its slot kept: a move that writes nothing after its UPDATE.
+        assert task.status == S.RUNNING and to in (S.RUNNING, S.WAITING_TOOL) and commits_alone(events), (
+            "only a step's commit writes nothing more")
     else:
         assert connection.in_atomic_block, "a transition and its event commit together"
     match: dict[str, Any] = {"id": task.pk, "status": task.status, "version": task.version}
@@ -74,7 +79,7 @@ def _move(
     # The events' rows are numbered 1..n here; the UPDATE that reserves their seqs numbers them for good.
     logged = unsaved(task, events, last=len(events), status=to, at=now)
     last_seq = _update_reserving_seqs(match, guard, sealed.wrap(Task, task.tenant_id, values), logged,
-                                      checkpoint=checkpoint)
+                                      checkpoint=checkpoint, calls=calls, now=now)
     if last_seq is None:
         return False
     was = task.status
@@ -97,22 +102,26 @@ def _move(
 
 
 def commits_alone(events: list[NewEvent]) -> bool:
-    """Whether running -> running with `events` may commit as its UPDATE alone, in autocommit: on PostgreSQL
-    the statement writes the checkpoint and the events too, and that move writes nothing else (no status
-    changes, no slot is freed, nobody is told) unless a listener hears one of the events (webhooks' outbox,
-    whose rows must commit with them). A step's commit then costs no BEGIN and COMMIT round trips."""
+    """Whether a step's move with `events` may commit as its UPDATE alone, in autocommit: on PostgreSQL the
+    statement writes the checkpoint and the events too (and the calls of wait_for_operations), and those moves,
+    running -> running or -> waiting_tool, write nothing else (no slot is freed, nobody is told) unless a
+    listener hears one of the events (webhooks' outbox, whose rows must commit with them). A step's commit then
+    costs no BEGIN and COMMIT round trips."""
     return connection.vendor == "postgresql" and not heard(event.kind for event in events)
 
 
 def _update_reserving_seqs(match: dict[str, Any], guard: Q | None, values: dict[str, Any], events: list[TaskEvent],
-                           *, checkpoint: Checkpoint | None = None) -> int | None:
+                           *, checkpoint: Checkpoint | None = None, calls: Sequence[Operation] = (),
+                           now: datetime | None = None) -> int | None:
     """The transition's UPDATE of the row whose columns equal `match` (and meets `guard`), which also reserves
     the seqs of `events` on it (one statement where an UPDATE and then a seq bump were two) and, when it wins,
-    writes them and `checkpoint`. Returns the last seq reserved (the row's seq if there are no events), or
-    None when the guard matched no row. `events` come numbered from 1 and leave numbered for good.
+    writes them, `checkpoint` and `calls` (it then wins only while none of the calls' pools is paused at `now`:
+    a pause is news the task's events tell, which the caller's locked commit writes). Returns the last seq
+    reserved (the row's seq if there are no events), or None when the guard matched no row. `events` come
+    numbered from 1 and leave numbered for good.
 
     On PostgreSQL the rows are inserted by the same statement, from the UPDATE's RETURNING: the UPDATE, the
-    checkpoint and the events in one round trip. The statement is written here, its values prepared as
+    checkpoint, the events and the calls in one round trip. The statement is written here, its values prepared as
     update() and save() prepare them, and prepared on the connection (tasks/prepared.py): it is sent at every
     step, and compiling it through the ORM cost the worker more CPU than the database spent running it.
     SQLite's WITH cannot hold an INSERT, so there the ORM's UPDATE ... RETURNING goes first and the rows are
@@ -121,10 +130,15 @@ def _update_reserving_seqs(match: dict[str, Any], guard: Q | None, values: dict[
     assert [event.seq for event in events] == list(range(1, count + 1)), "the SQL numbers them from their seqs"
     seq = connection.ops.quote_name("last_event_seq")
     if connection.vendor != "postgresql":
+        assert not calls, "a step's calls are stored with its move on PostgreSQL alone"
         return _update_then_save(match, guard, values, events, checkpoint=checkpoint)
     sql, params = _fenced_update(match, guard, values, reserved=count)
+    if calls:
+        assert now is not None, "the pools' pauses are looked at as of the move"
+        sql += f" AND NOT EXISTS ({_PAUSED})"
+        params.extend([sorted({op.pool for op in calls}), now])
     ctes = [f"moved AS ({sql} RETURNING {seq})"]
-    for group in ([checkpoint] if checkpoint is not None else [], events):
+    for group in ([checkpoint] if checkpoint is not None else [], events, calls):
         if group:
             model = type(group[0])
             ctes.append(f"saved_{model._meta.model_name} AS ({_insert_if_moved(model, len(group), reserved=count)})")
@@ -136,6 +150,11 @@ def _update_reserving_seqs(match: dict[str, Any], guard: Q | None, values: dict[
     for event in events:
         event.seq += last - count
     return last
+
+
+# Whether one of some pools (an array of keys) is paused at a time: the condition tasks/pools.py's paused_among reads.
+_PAUSED = (f'SELECT 1 FROM "{Pool._meta.db_table}" WHERE "{Pool._meta.get_field("key").column}" = ANY(%s) '
+           f'AND "{Pool._meta.get_field("paused_until").column}" > %s')
 
 
 def _fenced_update(match: dict[str, Any], guard: Q | None, values: dict[str, Any], *,
@@ -215,20 +234,20 @@ def _update_then_save(match: dict[str, Any], guard: Q | None, values: dict[str, 
     return last
 
 
-def _inserted_fields(model: type[Checkpoint] | type[TaskEvent]) -> list[Field]:
+def _inserted_fields(model: type[Checkpoint] | type[TaskEvent] | type[Operation]) -> list[Field]:
     return [field for field in model._meta.local_concrete_fields if not field.primary_key]
 
 
 @lru_cache(maxsize=64)
-def _insert_if_moved(model: type[Checkpoint] | type[TaskEvent], count: int, *, reserved: int) -> str:
+def _insert_if_moved(model: type[Checkpoint] | type[TaskEvent] | type[Operation], count: int, *, reserved: int) -> str:
     """An INSERT of `count` rows of `model` (their values typed_sql.insert_params's, a row after another), made
     an INSERT ... SELECT from the `moved` row of the statement it joins, so it writes only when the UPDATE won.
     An event's seq is the one its number (1..`reserved`) takes among the seqs the UPDATE reserved.
 
-    The values are typed by casts (tasks/typed_sql.py). Checkpoint's and TaskEvent's alone: their columns are
-    numbers, times, JSON and short texts. A column with a database default or a parent model's would need more
-    than this."""
-    assert model in (Checkpoint, TaskEvent), model
+    The values are typed by casts (tasks/typed_sql.py). Checkpoint's, TaskEvent's and Operation's alone: their
+    columns are numbers, times, booleans, JSON and texts. A column with a database default or a parent model's
+    would need more than this."""
+    assert model in (Checkpoint, TaskEvent, Operation), model
     fields = _inserted_fields(model)
 
     def value(field: Field) -> str:
@@ -397,20 +416,30 @@ def yield_slot(task: Task, *, token: int | None, now: datetime) -> bool:
 
 def wait_for_operations(
     task: Task, *, token: int, now: datetime, tool: bool, events: list[NewEvent], step_done: bool = True,
-    guard: Q | None = None, checkpoint: Checkpoint | None = None,
+    guard: Q | None = None, checkpoint: Checkpoint | None = None, calls: Sequence[Operation] = (),
 ) -> bool:
     """running -> waiting_tool (tool calls) or running waiting for the model: no worker, no lease,
     not due until a gateway job has finished every requested operation. `guard`, `checkpoint`: as
-    commit_step's."""
+    commit_step's. `calls`: the operations, stored by the same statement, which then commits alone
+    (calls_commit_alone says when it may) and loses while one of their pools is paused; without them the
+    caller stores them in its transaction (operations.request)."""
     fields: dict[str, Any] = {**_released(), "next_run_at": None, "waiting_reason": "tool" if tool else "model",
                               "attempts": 0}
     if step_done:
         fields.update(current_step=task.current_step + 1, last_progress_at=now, stalled_at=None)
     to = S.WAITING_TOOL if tool else S.RUNNING
-    if tool:
-        events = [*events, NewEvent("waiting_tool", {})]
-    return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields, events=events,
-                 guard=guard, checkpoint=checkpoint)
+    return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields,
+                 events=_waiting_events(events, tool=tool), guard=guard, checkpoint=checkpoint,
+                 alone=bool(calls), calls=calls)
+
+
+def calls_commit_alone(events: list[NewEvent], *, tool: bool) -> bool:
+    """Whether wait_for_operations may store its calls and commit as one statement (commits_alone)."""
+    return commits_alone(_waiting_events(events, tool=tool))
+
+
+def _waiting_events(events: list[NewEvent], *, tool: bool) -> list[NewEvent]:
+    return [*events, NewEvent("waiting_tool", {})] if tool else events
 
 
 def wait_for_remote(

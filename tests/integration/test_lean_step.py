@@ -31,10 +31,10 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, n
 # checkpoint and the events); SQLite's is a transaction: BEGIN, the UPDATE, the checkpoint and the events with
 # a statement each, COMMIT.
 IN_PLACE_STATEMENTS = {"postgresql": 2, "sqlite": 6}
-# A research step after a kick: the claim (with the checkpoint), the last step's calls; BEGIN, the fenced UPDATE
-# (which writes the checkpoint and the events too), the calls (with a read of their pools' pauses), the gateway
-# kick, COMMIT; the turn's closing look.
-RESUMED_WITH_CALLS_STATEMENTS = 8
+# A research step after a kick: the claim (with the checkpoint), the last step's calls; the fenced UPDATE, which
+# writes the checkpoint, the events and the calls too (while none of their pools is paused) and commits alone;
+# the gateway kick, after it; the turn's closing look.
+RESUMED_WITH_CALLS_STATEMENTS = 5
 MOVES_ON = Continue({"done": 1, "of": 3})
 ASKS_FOR_CALLS = Continue({"done": 1, "of": 3}, requests=[OpRequest(kind="tool", name="search",
                                                                      args={"query": "asyncio cancellation"})])
@@ -274,14 +274,16 @@ def test_a_step_resumed_after_its_calls_reads_them_once_and_asks_for_more_withou
     assert task.current_step == asked_at + 1
     assert operations.unfinished(task.pk, asked_at), "the step asked for its searches"
     statements = [query["sql"] for query in queries.captured_queries]
-    commit = statements[statements.index("BEGIN"):]
-    commit = commit[:commit.index("COMMIT") + 1]
-    before_commit = statements[:len(statements) - len(commit) - 1]
+    assert "BEGIN" not in statements, f"the step's commit is one statement, committed alone: {statements}"
+    [commit] = [sql for sql in statements if sql.startswith("WITH moved AS (UPDATE")]
+    for table in ("tasks_checkpoint", "tasks_taskevent", "tasks_operation"):
+        assert f'INSERT INTO "{table}"' in commit, f"the statement writes {table} too: {commit}"
+    before_commit = statements[:statements.index(commit)]
     assert sum('FROM "tasks_operation"' in sql for sql in before_commit) == 1, (
         f"the last step's calls are read once, for the wait check and the driver: {before_commit}")
-    assert not [sql for sql in commit if sql.startswith("SELECT") and 'FROM "tasks_task"' in sql], (
-        f"the step's commit is a fenced UPDATE, with no read of the row first: {commit}")
-    assert not [sql for sql in commit if "COUNT(" in sql], f"a new step's calls are numbered from 0: {commit}"
+    assert not [sql for sql in before_commit[1:] if sql.startswith("SELECT") and 'FROM "tasks_task"' in sql], (
+        f"the step's commit is a fenced UPDATE, with no read of the row first: {before_commit}")
+    assert not [sql for sql in statements if "COUNT(" in sql], f"a new step's calls are numbered from 0: {statements}"
     assert len(statements) <= RESUMED_WITH_CALLS_STATEMENTS, statements
     assert list(Operation.objects.filter(task=task, step=asked_at).order_by("n").values_list("n", flat=True)) == (
         list(range(Operation.objects.filter(task=task, step=asked_at).count())))
@@ -599,3 +601,74 @@ def test_the_prepared_statements_due_condition_finds_the_rows_the_orms_does(acme
     assert "running due past held by 'w:1' until future" not in by_the_sql
     assert "running due future held by '' until none" not in by_the_sql
     assert "queued due past held by '' until none" not in by_the_sql
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the statement that commits alone is PostgreSQL's")
+def test_the_calls_the_fenced_statement_stores_are_the_rows_the_locked_commit_stores(acme, alice, settings):
+    """The same step, asking for a search and a model call, committed alone and by the locked commit (a task
+    of its own each): the same calls, the same task row, and the kick for a gateway job after either."""
+    settings.LONGHAUL_ENCRYPT_AT_REST = True
+    asks = Continue({"done": 1, "of": 3}, requests=[
+        OpRequest(kind="tool", name="search", args={"query": "asyncio cancellation"}),
+        OpRequest(kind="model", name="extract", args={"messages": [{"role": "user", "content": "é ✓"}]}, once=True)])
+    stored = {}
+    for way in ("alone", "locked"):
+        task = submit_sleep(acme, alice, steps=3)
+        held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+        assert held is not None
+        OrmQ.objects.all().delete()
+        ctx = StepContext(held, token=held.fencing_token)
+        if way == "locked":  # as after a lost fenced statement: the commit under the row lock
+            with transaction.atomic():
+                fresh = leases.lock_fenced(held.pk, held.fencing_token)
+                assert runner._wait_for_requests(fresh, held.fencing_token, asks, [], now=clock.now())
+        else:
+            with CaptureQueriesContext(connection) as queries:
+                assert runner._commit(held, held.fencing_token, get_driver("sleep"), asks, ctx, keep_lease=True,
+                                      state_before={}) is None
+            assert "BEGIN" not in [q["sql"] for q in queries.captured_queries]
+        task.refresh_from_db()
+        calls = list(Operation.objects.filter(task=task).order_by("n").values(
+            "step", "n", "kind", "name", "pool", "mode", "args", "args_digest", "status", "fencing_token", "attempts",
+            "has_side_effects", "not_before", "usage", "version", "lease_owner", "result", "error_class"))
+        assert all(call["key"] == f"{task.pk}:{call['step']}:r{call['n']}"
+                   for call in Operation.objects.filter(task=task).values("key", "step", "n"))
+        stored[way] = (calls, task.status, task.waiting_reason, task.current_step, task.lease_owner,
+                       task.next_run_at, list(task.events.values_list("kind", flat=True))[-1])
+        assert OrmQ.objects.filter(key=kicks.queue_of("operations")).count() == 1, "a gateway job is kicked"
+        sealed_args = Operation.objects.filter(task=task).values_list("args", flat=True)
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT args::text FROM tasks_operation WHERE task_id = %s", [task.pk])
+            assert all("asyncio" not in raw and "messages" not in raw for (raw,) in cursor.fetchall()), "sealed"
+        assert {a.get("query") for a in sealed_args} == {"asyncio cancellation", None}
+    assert stored["alone"] == stored["locked"]
+    assert stored["alone"][1] == TaskStatus.WAITING_TOOL and stored["alone"][-1] == "waiting_tool"
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the statement that commits alone is PostgreSQL's")
+def test_a_step_whose_calls_pool_is_paused_commits_under_the_lock_and_says_so(acme, alice):
+    from tasks import pools
+
+    task = submit_sleep(acme, alice, steps=3)
+    held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert held is not None
+    key = pools.key_of("tool", "search", {"query": "asyncio cancellation"})
+    until, _ = pools.pause(key, seconds=30, reason="429", now=clock.now())
+
+    ctx = StepContext(held, token=held.fencing_token)
+    with CaptureQueriesContext(connection) as queries:
+        assert runner._commit(held, held.fencing_token, get_driver("sleep"), ASKS_FOR_CALLS, ctx, keep_lease=True,
+                              state_before={}) is None
+
+    statements = [q["sql"] for q in queries.captured_queries]
+    assert "BEGIN" in statements, f"the statement alone lost to the pause; the locked commit wrote: {statements}"
+    tried = [sql for sql in statements[:statements.index("BEGIN")] if sql.startswith("WITH moved AS (UPDATE")]
+    assert len(tried) == 1 and 'INSERT INTO "tasks_operation"' in tried[0], f"tried alone first: {statements}"
+    task.refresh_from_db()
+    assert task.status == TaskStatus.WAITING_TOOL
+    assert Operation.objects.filter(task=task, status="pending").count() == 1, "its call was stored once"
+    paused = task.events.filter(kind=pools.PAUSED).values_list("data", flat=True)
+    assert [event["until"] for event in paused] == [until.isoformat()], "the task says its pool is paused"
+    assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
+    assert OrmQ.objects.filter(key=kicks.queue_of("operations"), lock__gte=until).exists(), (
+        "the gateway job is kicked for when the pause ends")
