@@ -160,18 +160,26 @@ class Sampler(threading.Thread):
 # --- the baseline --------------------------------------------------------------------------
 
 
-async def bare_client(base_url: str, count: int, limits: httpx.Limits | None) -> float:
-    """`count` concurrent plan requests from one AsyncClient; seconds until all answered."""
+async def bare_client(base_url: str, count: int, limits: httpx.Limits | None) -> tuple[float, list[float]]:
+    """`count` concurrent plan requests from one AsyncClient: seconds until all answered, and each one's
+    answer time in ms (the fake's own, under that many requests at once)."""
     body = {"model": "fake", "messages": [{"role": "system", "content": "You plan research."},
                                           {"role": "user", "content": "Question:\nbaseline\n\nConstraints:\nnone"}]}
     kwargs = {"limits": limits} if limits is not None else {}
+    answers: list[float] = []
+
+    async def one(client: httpx.AsyncClient) -> httpx.Response:
+        sent = time.monotonic()
+        response = await client.post(f"{base_url}/chat/completions", json=body)
+        answers.append((time.monotonic() - sent) * 1000)
+        return response
+
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=120, **kwargs) as client:
-        responses = await asyncio.gather(*(client.post(f"{base_url}/chat/completions", json=body)
-                                           for _ in range(count)))
+        responses = await asyncio.gather(*(one(client) for _ in range(count)))
     bad = [r.status_code for r in responses if r.status_code != 200]
     assert not bad, f"baseline requests failed: {bad[:5]}"
-    return time.monotonic() - started
+    return time.monotonic() - started, answers
 
 
 # --- the benchmark -------------------------------------------------------------------------
@@ -288,12 +296,13 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
     scope = h.Scope.create("inflight", max_running=tasks + 10)
     try:
         with TrackingFake(delay) as fake, (SearchSite() if search == "web" else contextlib.nullcontext()) as site:
-            baseline = []
+            baseline, fake_answers = [], []
             for label, limits in ((f"bare httpx.AsyncClient, pool of {tasks}",
                                    httpx.Limits(max_connections=tasks, max_keepalive_connections=tasks)),
                                   ("bare httpx.AsyncClient, default pool (100 connections)", None)):
                 fake.reset()
-                seconds = asyncio.run(bare_client(fake.base_url, tasks, limits))
+                seconds, answers = asyncio.run(bare_client(fake.base_url, tasks, limits))
+                fake_answers = fake_answers or answers  # the first: every request out at once
                 baseline.append([label, fake.max_in_flight, "-", f"{tasks / seconds:.0f} calls/s"])
             env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
                    "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": "400", "LONGHAUL_TOOL_CONCURRENCY": "400",
@@ -351,6 +360,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         scope.purge()
 
     elapsed = (max(finished) if len(finished) == tasks else stopped) - started
+    # Each call holds one of the job's slots from its claim until its outcome is recorded: summed, they say how
+    # long the run must last at the least, its calls back to back in every slot.
+    slot_seconds = sum(sum(waits[f"{kind} call: claimed -> result recorded"]) for kind in ("model", "tool")) / 1000
+    floor = slot_seconds / settings.LONGHAUL_GATEWAY_INFLIGHT
     per_minute = statuses.get(TaskStatus.SUCCEEDED, 0) / elapsed * 60
     first = per_pid_max(s for s in sampler.samples if s[0] <= first_wave_end)
     later = per_pid_max(s for s in sampler.samples if s[0] > first_wave_end)
@@ -382,6 +395,11 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         ["most calls out with gateway jobs at once (a job's cap: LONGHAUL_GATEWAY_INFLIGHT)",
          f"{most_out} (cap {settings.LONGHAUL_GATEWAY_INFLIGHT})"],
         ["most calls requested and not yet claimed at once", most_waiting],
+        ["calls' time out with a gateway job (claimed -> recorded), summed; over the job's cap",
+         f"{slot_seconds:,.0f} s; {floor:.1f} s at the least, the run took {elapsed:.1f} s"],
+        [f"the fake's answer to {tasks} requests at once (bare client, pool of {tasks}), p50 / p90",
+         f"{h.fmt(h.percentile(fake_answers, 50), 0)} / {h.fmt(h.percentile(fake_answers, 90), 0)} ms "
+         f"(it sleeps {delay * 1000:,.0f} ms)"],
         ["samples with 2+ processes calling at once", sum(1 for s in busy if len(s[2]) >= 2)],
     ]))
     report.add("Where a task's time goes (milliseconds)", h.table(["interval", "p50", "p90", "p99", "samples"], [
@@ -418,10 +436,14 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                f"{settings.LONGHAUL_GATEWAY_INFLIGHT} calls out, and a wave asks for more at once ({most_waiting} "
                "waited to be claimed at the busiest moment), so they wait for calls to end, as the cap says they "
                "must, and the slots a job frees are shared among the pools with calls due (operations.claim_batch): "
-               "searches wait their turn beside model calls of two seconds. A higher cap moves that wait into the "
-               "calls: on two cores the loopback search site, httpx and the pages' parsing are what the CPU does "
-               "(with the cap at 2,000 and the tool pool at 1,600, a tool call's claimed -> recorded rose from about "
-               "0.2 s to 3 s, and the run took as long). " if at_cap else "")
+               "searches wait their turn beside model calls of two seconds. The calls' time out, summed over the "
+               f"cap, is {floor:.1f} s of the run's {elapsed:.1f} s: no claim order makes the run shorter than that, "
+               "and the waves (a task's next calls wait for its step) keep the slots from being full throughout. "
+               "A higher cap moves that wait into the loopback servers, which stand for other machines: with the "
+               "cap and the pools at 2,000 (measured once, at afeb553), model calls were claimed in 12 ms and tool "
+               "calls in 63 ms at the median, but a visit then took 2.5 s, as the loopback site (a thread per "
+               "request) answers about 400 pages a second (1,000 GETs at once take 2.4 s with no Longhaul in the "
+               "way), and the run took as long. " if at_cap else "")
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
@@ -430,9 +452,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             f"{tasks} plan answers within a second or two of each other, then their searches, and so on), and a "
             f"wave's next steps queue: {tasks} of them take {tasks / steps_per_s if steps_per_s else 0:.1f} s to "
             "drain, so the median task of a wave waits about half that. The wait is the steps' queue, not the "
-            "hand-off (a kick reaches an idle worker at once: its pusher listens for it). What would close it on two cores: "
-            "research steps that cost less CPU, and steps run beside the gateway job's event loop instead of "
-            "behind it.")
+            "hand-off (a kick reaches an idle worker at once: its pusher listens for it). More step capacity alone "
+            "moves the wait to the claims while the job's slots are full: with a third worker process (measured "
+            "once, --workers 3, same code path) the next step came in 224 ms at the median, and tool calls waited "
+            "2.4 s to be claimed; the run took as long.")
     return report
 
 
