@@ -267,6 +267,14 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED,
                                   checkpoint=_checkpoint(task, token, driver, outcome.state, now=now)):
                 return None
+        elif isinstance(outcome, Finish) and outcome.remote is None:
+            # A step that ends the task: the same fenced statement writes its checkpoint and the end, with no row
+            # read first; when it loses (the lease moved on, or a stop was asked for: a remote task's cancel
+            # discards what its step learned), the locked commit below decides.
+            if transitions.succeed(task, token=token, now=now, result=outcome.result, events=events,
+                                   guard=transitions.NO_STOP_REQUESTED,
+                                   checkpoint=_checkpoint(task, token, driver, outcome.state, now=now)):
+                return None
         fresh = leases.lock_fenced(task.pk, token)
         if fresh.cancel_requested_at and remote_cancelling(driver) is not None:
             # What a step learned from a remote server after the cancel request is discarded (DESIGN §10).

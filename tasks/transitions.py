@@ -593,16 +593,20 @@ def schedule_retry(
 # --- endings ---------------------------------------------------------------------
 
 
-def succeed(task: Task, *, token: int, now: datetime, result: Any, events: list[NewEvent]) -> bool:
+def succeed(task: Task, *, token: int, now: datetime, result: Any, events: list[NewEvent], guard: Q | None = None,
+            checkpoint: Checkpoint | None = None) -> bool:
+    """running -> succeeded with `result`. `guard`, `checkpoint`: as commit_step's."""
     return _move(
         task,
         S.SUCCEEDED,
         allowed_from={S.RUNNING},
         now=now,
         token=token,
+        guard=guard,
         fields={**_finished(now), "result": result, "result_version": task.result_version + 1,
                 "current_step": task.current_step + 1, "last_progress_at": now},
         events=[*events, NewEvent("succeeded", {"result_version": task.result_version + 1})],
+        checkpoint=checkpoint,
     )
 
 

@@ -672,3 +672,43 @@ def test_a_step_whose_calls_pool_is_paused_commits_under_the_lock_and_says_so(ac
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
     assert OrmQ.objects.filter(key=kicks.queue_of("operations"), lock__gte=until).exists(), (
         "the gateway job is kicked for when the pause ends")
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="counts PostgreSQL's statements (one-statement UPDATE)")
+def test_a_step_that_ends_its_task_writes_its_checkpoint_and_its_end_in_one_fenced_update(acme, alice, settings):
+    settings.LONGHAUL_STEP_SLICE_MS = 60_000
+    task = submit_sleep(acme, alice, steps=2)
+    OrmQ.objects.all().delete()  # nothing waiting: the worker keeps the lease to the end
+    with CaptureQueriesContext(connection) as queries:
+        jobs.advance(task.pk)
+    task.refresh_from_db()
+    assert task.status == TaskStatus.SUCCEEDED
+
+    last = steps_of(queries.captured_queries)[-1]
+    assert not [sql for sql in last if 'FROM "tasks_task"' in sql and "FOR UPDATE" in sql], (
+        f"the end is a fenced UPDATE, with no read of the row first: {last}")
+    [moved] = [sql for sql in last if sql.startswith("WITH moved AS (UPDATE")]
+    assert "'succeeded'" in moved and 'INSERT INTO "tasks_checkpoint"' in moved, (
+        f"the UPDATE ends the task and writes the last checkpoint: {moved}")
+    assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1, 2]
+    assert task.result is not None and task.current_step == 2
+    assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
+    assert task.events.order_by("-seq").values_list("kind", flat=True)[0] == "succeeded"
+
+
+def test_a_cancel_asked_for_during_a_tasks_last_step_loses_to_its_finished_result(acme, alice):
+    task = submit_sleep(acme, alice, steps=1)
+    held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert held is not None
+    actions.request_cancel(task=Task.objects.get(pk=task.pk), user=alice, reason="too late")
+
+    ctx = StepContext(held, token=held.fencing_token)
+    with CaptureQueriesContext(connection) as queries:
+        runner._commit(held, held.fencing_token, get_driver("sleep"), runner.Finish({"done": 1, "of": 1}, {"slept": 1}),
+                       ctx, keep_lease=True, state_before={})
+
+    task.refresh_from_db()
+    assert task.status == TaskStatus.SUCCEEDED, "the work is done and recorded: a late cancel loses to it"
+    assert [q["sql"] for q in queries.captured_queries if "FOR UPDATE" in q["sql"]], "decided under the row lock"
+    assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1]
+    assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
