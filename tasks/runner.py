@@ -370,14 +370,11 @@ def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[N
         won = transitions.wait_for_remote(task, token=token, now=now, events=events, step_done=step_done,
                                           tracking_degraded=outcome.tracking_degraded, guard=guard,
                                           checkpoint=checkpoint)
-    elif alone:
-        assert step_done, "a step that counts for nothing adds its calls to the step before's (request() numbers them)"
-        calls = operations.new_calls(task, token=token, requests=outcome.requests, now=now, step=step)
-        won = transitions.wait_for_operations(task, token=token, now=now, tool=_asks_for_tools(outcome), events=events,
-                                              guard=guard, checkpoint=checkpoint, calls=calls)
     else:
+        assert step_done or not alone, "a step that counts for nothing adds its calls to the step before's (request())"
+        calls = operations.new_calls(task, token=token, requests=outcome.requests, now=now, step=step) if alone else ()
         won = transitions.wait_for_operations(task, token=token, now=now, tool=_asks_for_tools(outcome), events=events,
-                                              step_done=step_done, guard=guard, checkpoint=checkpoint)
+                                              step_done=step_done, guard=guard, checkpoint=checkpoint, calls=calls)
     if not won:
         return False
     if alone:

@@ -152,7 +152,8 @@ def _update_reserving_seqs(match: dict[str, Any], guard: Q | None, values: dict[
     return last
 
 
-# Whether one of some pools (an array of keys) is paused at a time: the condition tasks/pools.py's paused_among reads.
+# Whether one of some pools (an array of keys) is paused at a time: the condition tasks/pools.py's paused_among reads,
+# written out because compiling that query into the step's statement cost 0.5 ms of CPU a step.
 _PAUSED = (f'SELECT 1 FROM "{Pool._meta.db_table}" WHERE "{Pool._meta.get_field("key").column}" = ANY(%s) '
            f'AND "{Pool._meta.get_field("paused_until").column}" > %s')
 
