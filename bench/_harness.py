@@ -71,7 +71,7 @@ def setup() -> None:
     import logging
 
     logging.getLogger("django-q").setLevel(logging.WARNING)  # django-q2 logs every enqueue at INFO
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # and httpx every request
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # and httpx2 every request
     from django.db import connection
 
     if connection.vendor != "postgresql":

@@ -7,7 +7,7 @@ same server as the baseline.
 
 One daphne (tests/processes.py) serves project.asgi; no worker runs, so submitted tasks stay
 queued or running and their kicks wait in the broker table (both removed at the end). The
-client is httpx.AsyncClient with a token, one connection per concurrent client, on the same
+client is httpx2.AsyncClient with a token, one connection per concurrent client, on the same
 2-core machine as the server and the database: its own cost is in every figure, the baseline's
 included. A submission counts as an error unless a new key answers 201 and a replay 200 with the
 task the key made first; a read unless it answers 200 with the task asked for.
@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import _harness as h
-import httpx
+import httpx2
 from django.db import connection
 from rest_framework.authtoken.models import Token
 
@@ -55,7 +55,7 @@ class Sample:
 class Load:
     """The client side: keys made so far (key -> task id) and the requests of each kind."""
 
-    def __init__(self, client: httpx.AsyncClient) -> None:
+    def __init__(self, client: httpx2.AsyncClient) -> None:
         self.client = client
         self.keys: dict[str, str] = {}
         self.turn = 0
@@ -101,7 +101,7 @@ async def drive(request: Callable[[Sample], Awaitable[None]], *, concurrency: in
             started = time.perf_counter()
             try:
                 await request(sample)
-            except httpx.HTTPError as exc:
+            except httpx2.HTTPError as exc:
                 sample.fail(f"{type(exc).__name__}: {exc}")
                 continue
             sample.latencies_ms.append((time.perf_counter() - started) * 1000)
@@ -115,8 +115,8 @@ async def drive(request: Callable[[Sample], Awaitable[None]], *, concurrency: in
 async def sweep(base: str, token: str, levels: list[int], *, seconds: float,
                 max_requests: int) -> dict[tuple[str, int], Sample]:
     results: dict[tuple[str, int], Sample] = {}
-    limits = httpx.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
-    async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Token {token}"}, limits=limits,
+    limits = httpx2.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
+    async with httpx2.AsyncClient(base_url=base, headers={"Authorization": f"Token {token}"}, limits=limits,
                                  timeout=30) as client:
         load = Load(client)
         seed = Sample()
@@ -161,7 +161,7 @@ def run(*, levels: tuple[int, ...] = (1, 4, 16), seconds: float = 4.0, max_reque
     report = h.Report(
         "api", "REST API over HTTP (one daphne)",
         f"Idempotent POST /api/tasks (half new keys, half replays) and GET /api/tasks/{{id}} with a token, "
-        f"{seconds:g} s per point at {', '.join(map(str, levels))} concurrent clients (httpx.AsyncClient), "
+        f"{seconds:g} s per point at {', '.join(map(str, levels))} concurrent clients (httpx2.AsyncClient), "
         f"against one daphne process, beside GET /healthz on the same server.",
     )
     scope = h.Scope.create("api")

@@ -1,5 +1,5 @@
 """Model calls in flight: 200 research tasks against a loopback OpenAI-compatible fake that
-answers after 2 s, through a qcluster of 2 worker processes, beside a bare asyncio + httpx client.
+answers after 2 s, through a qcluster of 2 worker processes, beside a bare asyncio + httpx2 client.
 
     DATABASE_URL=postgres://longhaul:longhaul@127.0.0.1:5432/longhaul_bench \\
         .venv/bin/python bench/inflight.py --tasks 200 --delay 2 --workers 2
@@ -20,8 +20,8 @@ submissions: the first wave shows what one gateway job can keep in flight. The l
 (search, visit, extract, draft) follow at the pace the workers commit steps. --start live
 submits the tasks to a running cluster instead.
 
-Baselines on the same fake: 200 concurrent requests from one bare httpx.AsyncClient with a
-pool of 200 connections, and the same with httpx's default pool (Limits: 100 connections).
+Baselines on the same fake: 200 concurrent requests from one bare httpx2.AsyncClient with a
+pool of 200 connections, and the same with httpx2's default pool (Limits: 100 connections).
 Every row made is deleted at the end.
 """
 
@@ -39,7 +39,7 @@ from datetime import datetime, timezone
 from urllib.parse import quote
 
 import _harness as h
-import httpx
+import httpx2
 from django.conf import settings
 from django.db import transaction
 
@@ -160,7 +160,7 @@ class Sampler(threading.Thread):
 # --- the baseline --------------------------------------------------------------------------
 
 
-async def bare_client(base_url: str, count: int, limits: httpx.Limits | None) -> tuple[float, list[float]]:
+async def bare_client(base_url: str, count: int, limits: httpx2.Limits | None) -> tuple[float, list[float]]:
     """`count` concurrent plan requests from one AsyncClient: seconds until all answered, and each one's
     answer time in ms (the fake's own, under that many requests at once)."""
     body = {"model": "fake", "messages": [{"role": "system", "content": "You plan research."},
@@ -168,14 +168,14 @@ async def bare_client(base_url: str, count: int, limits: httpx.Limits | None) ->
     kwargs = {"limits": limits} if limits is not None else {}
     answers: list[float] = []
 
-    async def one(client: httpx.AsyncClient) -> httpx.Response:
+    async def one(client: httpx2.AsyncClient) -> httpx2.Response:
         sent = time.monotonic()
         response = await client.post(f"{base_url}/chat/completions", json=body)
         answers.append((time.monotonic() - sent) * 1000)
         return response
 
     started = time.monotonic()
-    async with httpx.AsyncClient(timeout=120, **kwargs) as client:
+    async with httpx2.AsyncClient(timeout=120, **kwargs) as client:
         responses = await asyncio.gather(*(one(client) for _ in range(count)))
     bad = [r.status_code for r in responses if r.status_code != 200]
     assert not bad, f"baseline requests failed: {bad[:5]}"
@@ -290,16 +290,16 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         f"{tasks} research tasks against a loopback OpenAI-compatible fake answering after {delay:g} s, through a "
         f"qcluster of {workers} worker processes (LONGHAUL_MODEL_CONCURRENCY and LONGHAUL_TOOL_CONCURRENCY 400, so "
         f"no pool holds a call back); search and visit against {SEARCHES[search]}; the fake's in-flight requests, "
-        f"attributed to worker processes by socket owner, beside a bare asyncio + httpx client. The claim waits leave "
+        f"attributed to worker processes by socket owner, beside a bare asyncio + httpx2 client. The claim waits leave "
         f"out the calls staged before the cluster started (they wait for the workers to start, not for a claim).",
     )
     scope = h.Scope.create("inflight", max_running=tasks + 10)
     try:
         with TrackingFake(delay) as fake, (SearchSite() if search == "web" else contextlib.nullcontext()) as site:
             baseline, fake_answers = [], []
-            for label, limits in ((f"bare httpx.AsyncClient, pool of {tasks}",
-                                   httpx.Limits(max_connections=tasks, max_keepalive_connections=tasks)),
-                                  ("bare httpx.AsyncClient, default pool (100 connections)", None)):
+            for label, limits in ((f"bare httpx2.AsyncClient, pool of {tasks}",
+                                   httpx2.Limits(max_connections=tasks, max_keepalive_connections=tasks)),
+                                  ("bare httpx2.AsyncClient, default pool (100 connections)", None)):
                 fake.reset()
                 seconds, answers = asyncio.run(bare_client(fake.base_url, tasks, limits))
                 fake_answers = fake_answers or answers  # the first: every request out at once

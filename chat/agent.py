@@ -255,7 +255,7 @@ def _call_tool(run: Run, name: str, args: dict[str, Any], n: int) -> tools.ToolR
 
 
 async def _respond_with_model(run: Run) -> Reply:
-    import httpx
+    import httpx2
     from asgiref.sync import sync_to_async
 
     from tasks.gateway.providers import ModelCall, get_provider
@@ -264,7 +264,7 @@ async def _respond_with_model(run: Run) -> Reply:
     messages = await sync_to_async(_history)(run)
     data: dict[str, Any] = {}
     n = 0
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         for _round in range(MAX_TOOL_ROUNDS):  # not `_`: that is gettext here
             answer = await get_provider().run(ModelCall("chat", {"messages": messages, "tools": TOOL_SCHEMAS}),
                                               client=client, budget=RetryBudget(2))

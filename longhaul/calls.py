@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote, urlsplit, urlunsplit
 
-import httpx
+import httpx2
 
 from longhaul import __version__
 
@@ -150,7 +150,7 @@ def next_cursor(page: Mapping[str, Any]) -> str | None:
     link = page.get("next")
     if not link:
         return None
-    return httpx.URL(link).params.get("cursor")
+    return httpx2.URL(link).params.get("cursor")
 
 
 def events(task_id: str, *, after: int, limit: int | None) -> Call:
@@ -188,8 +188,8 @@ def delete(task_id: str) -> Call:
 
 def never_sent(exc: Exception) -> bool:
     """The connection failed before the request left: any request may be sent again."""
-    return isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout)
+    return isinstance(exc, httpx2.ConnectError | httpx2.ConnectTimeout)
 
 
-def decode(response: httpx.Response) -> Any:
+def decode(response: httpx2.Response) -> Any:
     return response.json() if response.content else None

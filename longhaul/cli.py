@@ -201,7 +201,7 @@ def options(
         print(__version__)
         raise typer.Exit()
     if verbose:
-        # The package's own logger only: httpx's request lines would drown what matters.
+        # The package's own logger only: httpx2's request lines would drown what matters.
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("longhaul: %(message)s"))
         logger = logging.getLogger("longhaul")

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from typing import Any, Self
 
-import httpx
+import httpx2
 
 from longhaul import calls
 from longhaul.calls import Call, Settings
@@ -81,12 +81,12 @@ def _log_retry(settings: Settings, call: Call, why: object, attempt: int) -> Non
 class Client:
     """Synchronous client. One per thread; close it (or use `with`) to free its connections."""
 
-    def __init__(self, url: str, token: str | None = None, *, transport: httpx.BaseTransport | None = None,
+    def __init__(self, url: str, token: str | None = None, *, transport: httpx2.BaseTransport | None = None,
                  **options: Any) -> None:
         """`options` are Settings fields: tenant, timeout, retries, backoff, reconnect_for, poll_interval,
-        use_websocket. `transport` replaces the network (httpx.MockTransport in tests)."""
+        use_websocket. `transport` replaces the network (httpx2.MockTransport in tests)."""
         self.settings = _settings(url, token, **options)
-        self._http = httpx.Client(base_url=self.settings.api_url, headers=self.settings.headers(),
+        self._http = httpx2.Client(base_url=self.settings.api_url, headers=self.settings.headers(),
                                   timeout=self.settings.timeout, transport=transport)
 
     @classmethod
@@ -112,7 +112,7 @@ class Client:
         while True:
             try:
                 response = self._http.request(call.method, call.path, **call.request_args())
-            except httpx.TransportError as exc:
+            except httpx2.TransportError as exc:
                 if attempt < self.settings.retries and (call.resend_safe or calls.never_sent(exc)):
                     _log_retry(self.settings, call, exc, attempt)
                     time.sleep(self.settings.backoff_delay(attempt))
@@ -199,10 +199,10 @@ class Client:
 class AsyncClient:
     """Asynchronous client: the same methods as Client, awaited."""
 
-    def __init__(self, url: str, token: str | None = None, *, transport: httpx.AsyncBaseTransport | None = None,
+    def __init__(self, url: str, token: str | None = None, *, transport: httpx2.AsyncBaseTransport | None = None,
                  **options: Any) -> None:
         self.settings = _settings(url, token, **options)
-        self._http = httpx.AsyncClient(base_url=self.settings.api_url, headers=self.settings.headers(),
+        self._http = httpx2.AsyncClient(base_url=self.settings.api_url, headers=self.settings.headers(),
                                        timeout=self.settings.timeout, transport=transport)
 
     @classmethod
@@ -231,7 +231,7 @@ class AsyncClient:
         while True:
             try:
                 response = await self._http.request(call.method, call.path, **call.request_args())
-            except httpx.TransportError as exc:
+            except httpx2.TransportError as exc:
                 if attempt < self.settings.retries and (call.resend_safe or calls.never_sent(exc)):
                     _log_retry(self.settings, call, exc, attempt)
                     await asyncio.sleep(self.settings.backoff_delay(attempt))

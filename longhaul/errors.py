@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import httpx2
 
 
 class LonghaulError(Exception):
@@ -98,7 +98,7 @@ def error_class(status: int) -> type[ApiError]:
     return _BY_STATUS.get(status, ApiError)
 
 
-def _retry_after(response: httpx.Response) -> float | None:
+def _retry_after(response: httpx2.Response) -> float | None:
     raw = response.headers.get("Retry-After")
     try:
         return float(raw) if raw is not None else None
@@ -106,7 +106,7 @@ def _retry_after(response: httpx.Response) -> float | None:
         return None  # an HTTP date: rare from this API, and a caller can still back off by itself
 
 
-def error_from_response(response: httpx.Response) -> ApiError:
+def error_from_response(response: httpx2.Response) -> ApiError:
     """The typed error for an error response: the API's own shape, or a plain one for a proxy's page."""
     try:
         body = response.json()

@@ -437,13 +437,11 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": envstr("LOG_LEVEL", "INFO")},
     "loggers": {
         "django-q": {"level": envstr("Q_LOG_LEVEL", "WARNING")},  # django-q2 logs as "django-q"
-        # httpx logs every request's URL at INFO, and the URLs the research tools visit come from task
+        # httpx2 logs every request's URL at INFO, and the URLs the research tools visit come from task
         # input and observations, which stay out of INFO logs.
-        "httpx": {"level": "WARNING"},
-        "httpcore": {"level": "WARNING"},
-        # The MCP SDK's HTTP stack and session log URLs and session ids at INFO.
         "httpx2": {"level": "WARNING"},
-        "mcp": {"level": "WARNING"},
+        "httpcore2": {"level": "WARNING"},
+        "mcp": {"level": "WARNING"},  # the MCP SDK's session logs URLs and session ids at INFO
         "axes": {"level": "WARNING"},  # a line per start and per sign-in, with nothing an operator acts on
     },
 }

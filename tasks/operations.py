@@ -72,7 +72,7 @@ WATCH_AGAIN_AFTER = timedelta(seconds=60)  # a question that still stands is loo
 WATCHDOG_MARGIN = timedelta(milliseconds=500)
 CANDIDATES_AT_MOST = 5_000  # due calls one claim of one pool reads
 WATCHDOG_STEP = timedelta(seconds=2)
-# Calls out share CLIENT_SHARDS httpx clients: a client's pool looks at every connection it holds each time
+# Calls out share CLIENT_SHARDS httpx2 clients: a client's pool looks at every connection it holds each time
 # it places a request, so with hundreds of calls out one pool cost more CPU than the calls themselves.
 CLIENT_SHARDS = 8
 BATCH_AT_MOST = 50  # outcomes recorded in one transaction
@@ -1014,7 +1014,7 @@ def release(*, owner: str) -> int:
 async def pump(*, owner: str, run_for: float) -> int | None:
     """Claim and run operations until none are due or `run_for` seconds have passed; returns how
     many ran, or None when another job holds the gateway turn."""
-    import httpx
+    import httpx2
 
     if not await sync_to_async(take_gateway_turn)():
         return None
@@ -1025,14 +1025,14 @@ async def pump(*, owner: str, run_for: float) -> int | None:
     listener = requested.Listener()
     claims = DatabaseThread("gateway-claims")
     ran = 0
-    # httpx's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says. Each client may
+    # httpx2's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says. Each client may
     # open them all (the job's own cap bounds the calls out), and keeps its share open between calls.
-    pool = httpx.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
+    pool = httpx2.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
                         max_keepalive_connections=-(-settings.LONGHAUL_GATEWAY_INFLIGHT // CLIENT_SHARDS))
     try:
         await listener.start(await sync_to_async(requested.conninfo)())
         async with contextlib.AsyncExitStack() as clients_open:
-            clients = [await clients_open.enter_async_context(httpx.AsyncClient(
+            clients = [await clients_open.enter_async_context(httpx2.AsyncClient(
                 follow_redirects=False, limits=pool, verify=_tls_context())) for _ in range(CLIENT_SHARDS)]
             stop_claiming = time.monotonic() + run_for  # the slice starts once the job can claim
             while True:
@@ -1101,9 +1101,9 @@ async def pump(*, owner: str, run_for: float) -> int | None:
 def _tls_context() -> ssl.SSLContext:
     """The TLS settings of every gateway job in this process: building them reads the CA bundle (about 25 ms
     of CPU), once per process rather than once per job. An SSLContext serves any number of connections."""
-    import httpx
+    import httpx2
 
-    return httpx.create_ssl_context()
+    return httpx2.create_ssl_context()
 
 
 class DatabaseThread:

@@ -51,7 +51,7 @@ PROBE_EVERY = 1.0
 _PR_SET_PDEATHSIG = 1
 # What a worker's jobs import beyond their own modules (kicks.JOBS): the gateway's HTTP client, providers and
 # tools, and the MCP client.
-WORKER_MODULES = ("httpx", "tasks.gateway.providers", "tasks.gateway.tools", "tasks.mcp.client", "tasks.mcp.calls")
+WORKER_MODULES = ("httpx2", "tasks.gateway.providers", "tasks.gateway.tools", "tasks.mcp.client", "tasks.mcp.calls")
 
 
 class ClusterWedged(LonghaulError):

@@ -6,7 +6,7 @@ addresses unless LONGHAUL_ALLOW_PRIVATE_FETCH=1. Every address the host resolves
 
 from __future__ import annotations
 
-import httpx
+import httpx2
 from asgiref.sync import async_to_sync
 
 from tasks.errors import InvalidInput, PermanentError
@@ -15,11 +15,11 @@ from tasks.gateway import fetch
 MAX_URL_CHARS = 2000
 
 
-async def checked(url: str) -> tuple[httpx.URL, fetch.IPAddress]:
+async def checked(url: str) -> tuple[httpx2.URL, fetch.IPAddress]:
     """The parsed URL and the address to connect to; PermanentError when the policy refuses it."""
     try:
-        parsed = httpx.URL(url)
-    except httpx.InvalidURL as exc:
+        parsed = httpx2.URL(url)
+    except httpx2.InvalidURL as exc:
         raise PermanentError(f"not a URL: {exc}") from exc
     if parsed.userinfo:
         raise PermanentError("the URL must not carry a user name or password")

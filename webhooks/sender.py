@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-import httpx
+import httpx2
 from django.conf import settings
 
 from tasks.errors import PermanentError
@@ -43,7 +43,7 @@ async def post(url: str, *, body: str, headers: dict[str, str]) -> Sent:
     extensions = {"sni_hostname": parsed.host} if parsed.scheme == "https" else {}
     all_headers = {**headers, "Host": parsed.netloc.decode("ascii"), "User-Agent": USER_AGENT}
     try:
-        async with asyncio.timeout(timeout), httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        async with asyncio.timeout(timeout), httpx2.AsyncClient(timeout=timeout, trust_env=False) as client:
             request = client.build_request("POST", pinned, content=body.encode("utf-8"), headers=all_headers,
                                            extensions=extensions)
             response = await client.send(request, stream=True, follow_redirects=False)
@@ -51,9 +51,9 @@ async def post(url: str, *, body: str, headers: dict[str, str]) -> Sent:
                 text = await _read_capped(response)
             finally:
                 await response.aclose()
-    except (TimeoutError, httpx.TimeoutException) as exc:
+    except (TimeoutError, httpx2.TimeoutException) as exc:
         raise SendFailed(f"no answer within {timeout:g} s") from exc
-    except httpx.TransportError as exc:
+    except httpx2.TransportError as exc:
         raise SendFailed(f"could not connect: {type(exc).__name__}") from exc
     status = response.status_code
     if 200 <= status < 300:
@@ -63,7 +63,7 @@ async def post(url: str, *, body: str, headers: dict[str, str]) -> Sent:
     raise SendFailed(f"answered HTTP {status}: {text[:SHOWN_RESPONSE_CHARS]}".rstrip(": "), status_code=status)
 
 
-async def _read_capped(response: httpx.Response) -> str:
+async def _read_capped(response: httpx2.Response) -> str:
     """At most LONGHAUL_WEBHOOK_MAX_RESPONSE_BYTES of the answer: a receiver cannot make us read a flood."""
     cap = int(settings.LONGHAUL_WEBHOOK_MAX_RESPONSE_BYTES)
     content = bytearray()

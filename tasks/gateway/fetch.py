@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpx2
 from bs4 import BeautifulSoup, Comment
 from django.core.exceptions import ImproperlyConfigured
 
@@ -112,7 +112,7 @@ async def resolve_host(host: str, port: int) -> list[IPAddress]:
     return addresses
 
 
-async def checked_address(url: httpx.URL, *, allow_private: bool, resolver: Resolver) -> IPAddress:
+async def checked_address(url: httpx2.URL, *, allow_private: bool, resolver: Resolver) -> IPAddress:
     """The address to connect to for `url`, after its scheme and every address it resolves to pass the policy."""
     if url.scheme not in ("http", "https"):
         raise PermanentError(f"visit refuses the {url.scheme or 'missing'!r} scheme: only http and https")
@@ -157,7 +157,7 @@ def _media_type(header: str) -> tuple[str, str | None]:
     return media.strip().lower(), charset
 
 
-def raise_for_status(response: httpx.Response, *, what: str) -> None:
+def raise_for_status(response: httpx2.Response, *, what: str) -> None:
     """Classify an error status where it is met: 429 rate-limited, 5xx transient, other 4xx permanent."""
     status = response.status_code
     if status == 429:
@@ -169,7 +169,7 @@ def raise_for_status(response: httpx.Response, *, what: str) -> None:
         raise PermanentError(f"{what} answered HTTP {status}")
 
 
-async def fetch_once(url: httpx.URL, *, client: httpx.AsyncClient, config: VisitSettings,
+async def fetch_once(url: httpx2.URL, *, client: httpx2.AsyncClient, config: VisitSettings,
                      resolver: Resolver) -> Redirect | Body:
     """One request to `url`: its redirect, or its body cut at the size limit."""
     address = await checked_address(url, allow_private=config.allow_private, resolver=resolver)
@@ -188,13 +188,13 @@ async def fetch_once(url: httpx.URL, *, client: httpx.AsyncClient, config: Visit
                 return await _read(response, url=url, config=config)
             finally:
                 await response.aclose()
-    except (TimeoutError, httpx.TimeoutException) as exc:
+    except (TimeoutError, httpx2.TimeoutException) as exc:
         raise StepTimeout(f"visit: {url.host} did not answer within {config.timeout_s:g} s") from exc
-    except httpx.TransportError as exc:
+    except httpx2.TransportError as exc:
         raise TransientError(f"visit: could not fetch from {url.host}: {type(exc).__name__}") from exc
 
 
-async def _read(response: httpx.Response, *, url: httpx.URL, config: VisitSettings) -> Redirect | Body:
+async def _read(response: httpx2.Response, *, url: httpx2.URL, config: VisitSettings) -> Redirect | Body:
     if response.status_code in (301, 302, 303, 307, 308):
         location = response.headers.get("location")
         if not location:
@@ -274,13 +274,13 @@ def page_result(url: str, final_url: str, body: Body) -> dict[str, Any]:
     }
 
 
-async def fetch_page(url: str, *, client: httpx.AsyncClient, budget: RetryBudget, sleep: Sleep = asyncio.sleep,
+async def fetch_page(url: str, *, client: httpx2.AsyncClient, budget: RetryBudget, sleep: Sleep = asyncio.sleep,
                      resolver: Resolver = resolve_host, config: VisitSettings | None = None) -> dict[str, Any]:
     """Fetch an http(s) page as text, following at most MAX_REDIRECTS redirects, each hop checked."""
     config = config or visit_settings()
     try:
-        current = httpx.URL(url)
-    except httpx.InvalidURL as exc:
+        current = httpx2.URL(url)
+    except httpx2.InvalidURL as exc:
         raise PermanentError(f"visit: not a URL: {exc}") from exc
     for _ in range(MAX_REDIRECTS + 1):
         # A slow page is not retried in place: it would likely be slow again, and the runtime decides.
@@ -291,7 +291,7 @@ async def fetch_page(url: str, *, client: httpx.AsyncClient, budget: RetryBudget
         if isinstance(outcome, Redirect):
             try:
                 current = current.join(outcome.location)
-            except httpx.InvalidURL as exc:
+            except httpx2.InvalidURL as exc:
                 raise PermanentError(f"visit: {current.host} redirected to an invalid URL") from exc
             continue
         return await asyncio.to_thread(page_result, url, str(current), outcome)

@@ -15,7 +15,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import httpx2
 from django.core.exceptions import ImproperlyConfigured
 
 from project.env import envstr
@@ -47,7 +47,7 @@ def search_url() -> str:
     return url
 
 
-async def run_tool(call: ToolCall, *, client: httpx.AsyncClient, budget: RetryBudget,
+async def run_tool(call: ToolCall, *, client: httpx2.AsyncClient, budget: RetryBudget,
                    sleep: Sleep = asyncio.sleep) -> dict[str, Any]:
     """Run one tool call; failures are raised already classified."""
     if call.name == "search":
@@ -71,7 +71,7 @@ def _search_args(args: dict[str, Any]) -> tuple[str, int]:
     return " ".join(query.split())[:MAX_QUERY_CHARS], limit
 
 
-async def search(query: str, *, limit: int, client: httpx.AsyncClient, budget: RetryBudget,
+async def search(query: str, *, limit: int, client: httpx2.AsyncClient, budget: RetryBudget,
                  sleep: Sleep = asyncio.sleep) -> list[dict[str, str]]:
     """Results for `query` from the configured provider."""
     endpoint = search_url()
@@ -87,17 +87,17 @@ async def search(query: str, *, limit: int, client: httpx.AsyncClient, budget: R
                               budget=budget, sleep=sleep, max_inline_wait=0)
 
 
-async def web_search(endpoint: str, query: str, *, limit: int, client: httpx.AsyncClient) -> list[dict[str, str]]:
+async def web_search(endpoint: str, query: str, *, limit: int, client: httpx2.AsyncClient) -> list[dict[str, str]]:
     """One request to a SearxNG-compatible endpoint: GET ?q=...&format=json -> results[].url/title/content."""
     timeout = visit_settings().timeout_s
     try:
         async with asyncio.timeout(timeout):
             # Merged, not replaced: an endpoint URL may carry parameters of its own (categories, a key).
-            url = httpx.URL(endpoint).copy_merge_params({"q": query, "format": "json"})
+            url = httpx2.URL(endpoint).copy_merge_params({"q": query, "format": "json"})
             response = await client.get(url, timeout=timeout, follow_redirects=False)
-    except (TimeoutError, httpx.TimeoutException) as exc:
+    except (TimeoutError, httpx2.TimeoutException) as exc:
         raise StepTimeout(f"search did not answer within {timeout:g} s") from exc
-    except httpx.TransportError as exc:
+    except httpx2.TransportError as exc:
         raise TransientError(f"search unreachable: {type(exc).__name__}") from exc
     raise_for_status(response, what="search")
     try:
@@ -122,7 +122,7 @@ async def web_search(endpoint: str, query: str, *, limit: int, client: httpx.Asy
     return results
 
 
-async def visit(url: str, *, client: httpx.AsyncClient, budget: RetryBudget,
+async def visit(url: str, *, client: httpx2.AsyncClient, budget: RetryBudget,
                 sleep: Sleep = asyncio.sleep) -> dict[str, Any]:
     """The text of a page: a corpus:// document, or an http(s) page fetched within the limits."""
     if url.startswith(CORPUS_SCHEME):

@@ -75,7 +75,7 @@ CLUSTER_ENV = {
     "LONGHAUL_ALLOW_PRIVATE_FETCH": "1",
 }
 DRAIN_SECONDS = 40.0
-logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request of the load drowns the summary
+logging.getLogger("httpx2").setLevel(logging.WARNING)  # a line per request of the load drowns the summary
 STOP_SECONDS = 15.0
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from random import Random
 from typing import Any
 
-import httpx
+import httpx2
 
 CALL_SECONDS = 30.0  # how long one API call is retried before it counts as failed
 RUN_SECONDS = 45.0  # how long a chat flow waits for the assistant between its messages
@@ -39,10 +39,10 @@ class Api:
     base: str
     token: str
     retried: int = 0
-    client: httpx.Client = field(init=False)
+    client: httpx2.Client = field(init=False)
 
     def __post_init__(self) -> None:
-        self.client = httpx.Client(base_url=self.base, timeout=10.0,
+        self.client = httpx2.Client(base_url=self.base, timeout=10.0,
                                    headers={"Authorization": f"Token {self.token}"})
 
     def close(self) -> None:
@@ -56,7 +56,7 @@ class Api:
         while time.monotonic() < deadline:
             try:
                 response = self.client.request(method, path, json=json, headers=headers)
-            except httpx.HTTPError as exc:
+            except httpx2.HTTPError as exc:
                 last = f"{type(exc).__name__}: {exc}"
             else:
                 if response.status_code in ok:

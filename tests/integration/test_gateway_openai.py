@@ -12,7 +12,7 @@ import socket
 import sys
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 
 from tasks.errors import PermanentError, RateLimited, StepTimeout, TransientError
@@ -45,7 +45,7 @@ def provider_for(server: FakeOpenAI, *, timeout: float = 5.0) -> tuple[OpenAIPro
 
 
 async def call(provider: OpenAIProvider, model_call: ModelCall, budget: RetryBudget):
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         return await provider.run(model_call, client=client, budget=budget)
 
 
@@ -295,7 +295,7 @@ async def test_many_calls_are_in_flight_at_once(fake_openai):
     fake_openai.default = Reply(content=PLAN_REPLY, delay=0.5)
     provider, _ = provider_for(fake_openai)
 
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=100)) as client:
+    async with httpx2.AsyncClient(limits=httpx2.Limits(max_connections=100)) as client:
         results = await asyncio.gather(*(provider.run(PLAN, client=client, budget=RetryBudget(0))
                                          for _ in range(25)))
 
@@ -316,12 +316,12 @@ class _Lookups:
 
 
 async def test_a_warm_call_looks_for_no_module(fake_openai):
-    # httpcore asks `import sniffio` at each lock and shield it makes; without the package installed each
-    # ask is a failed import that stats every directory on sys.path, several times a call.
+    # httpx's httpcore asked `import sniffio` at each lock and shield it made; without the package installed
+    # each ask was a failed import that stats every directory on sys.path, several times a call.
     fake_openai.default = Reply(content=PLAN_REPLY)
     provider, _ = provider_for(fake_openai)
     lookups = _Lookups()
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         await provider.run(PLAN, client=client, budget=RetryBudget(0))
         sys.meta_path.insert(0, lookups)
         try:

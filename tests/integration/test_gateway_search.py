@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
+import httpx2
 import pytest
 
 from tasks.errors import TransientError
@@ -21,7 +21,7 @@ def http_site() -> Iterator[HttpSite]:
 
 
 async def search(query: str, limit: int, *, budget: RetryBudget, sleep: RecordingSleep | None = None) -> dict:
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         return await run_tool(ToolCall("search", {"query": query, "limit": limit}), client=client, budget=budget,
                               sleep=sleep or RecordingSleep())
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 from datetime import datetime
 
-import httpx
+import httpx2
 import pytest
 
 from tasks.errors import PermanentError, StepTimeout, TransientError
@@ -35,14 +35,14 @@ def private_fetch(settings):
     return settings
 
 
-class RecordingTransport(httpx.AsyncBaseTransport):
+class RecordingTransport(httpx2.AsyncBaseTransport):
     """The real transport, noting the host of every request it is asked to send."""
 
     def __init__(self) -> None:
-        self.inner = httpx.AsyncHTTPTransport()
+        self.inner = httpx2.AsyncHTTPTransport()
         self.hosts: list[str] = []
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         self.hosts.append(request.url.host)
         return await self.inner.handle_async_request(request)
 
@@ -51,8 +51,8 @@ class RecordingTransport(httpx.AsyncBaseTransport):
 
 
 async def visit(url: str, *, budget: RetryBudget | None = None, sleep: RecordingSleep | None = None,
-                transport: httpx.AsyncBaseTransport | None = None) -> dict:
-    async with httpx.AsyncClient(transport=transport) as client:
+                transport: httpx2.AsyncBaseTransport | None = None) -> dict:
+    async with httpx2.AsyncClient(transport=transport) as client:
         return await run_tool(ToolCall("visit", {"url": url}), client=client, budget=budget or RetryBudget(0),
                               sleep=sleep or RecordingSleep())
 
@@ -204,6 +204,6 @@ async def test_a_missing_page_is_permanent(private_fetch, http_site):
 
 
 async def test_an_unknown_tool_is_permanent():
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         with pytest.raises(PermanentError, match="unknown tool"):
             await run_tool(ToolCall("shell", {"cmd": "ls"}), client=client, budget=RetryBudget(1))

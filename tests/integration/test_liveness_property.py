@@ -44,7 +44,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx._transports.default as httpx_transports
 import httpx2._transports.default as httpx2_transports
 import psycopg
 import pytest
@@ -313,10 +312,10 @@ def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, mod
     monkeypatch.setattr(runner, "run", run_after_claim)
     monkeypatch.setattr(runner, "_commit", commit_after_step)
     settings.LONGHAUL_NOTIFIER = f"{__name__}.notifier"
-    # Every gateway batch and MCP call builds an httpx client, and loading the CA bundle each time was
+    # Every gateway batch and MCP call builds an httpx2 client, and loading the CA bundle each time was
     # most of their cost here: one context per configuration serves them all.
-    for transports in (httpx_transports, httpx2_transports):  # httpx2: the MCP SDK's client
-        monkeypatch.setattr(transports, "create_ssl_context", shared_ssl_context(transports.create_ssl_context))
+    monkeypatch.setattr(httpx2_transports, "create_ssl_context",
+                        shared_ssl_context(httpx2_transports.create_ssl_context))
     for name in ("tasks", "chat"):  # the faults this test injects are logged by the hundred
         monkeypatch.setattr(logging.getLogger(name), "level", logging.CRITICAL)
     FAULTS.reset()

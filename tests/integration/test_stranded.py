@@ -31,10 +31,10 @@ def _one_step_per_advance(settings):
 
 def finish_call(op: Operation) -> bool:
     """The gateway job that claimed `op` runs it with the real offline provider and records it."""
-    import httpx
+    import httpx2
 
     async def run() -> None:
-        async with httpx.AsyncClient() as client:
+        async with httpx2.AsyncClient() as client:
             await operations._run_one(op, owner="gateway:1", client=client)
 
     asyncio.run(run())

@@ -264,10 +264,10 @@ def test_a_tampered_signature_fails_verification(acme, alice, alice_api, receive
         Webhook(signing.new_secret()).verify(genuine.body, genuine.headers)
 
     # Sent over the wire, the receiver refuses the tampered copy.
-    import httpx
+    import httpx2
 
     signed = {name: genuine.headers[name] for name in ("webhook-id", "webhook-timestamp", "webhook-signature")}
-    answer = httpx.post(receiver.url + "/hook", content=tampered_body.encode(), headers=signed)
+    answer = httpx2.post(receiver.url + "/hook", content=tampered_body.encode(), headers=signed)
     assert answer.status_code == 401
     assert receiver.received[-1].verified_by == []
 

@@ -1,10 +1,10 @@
-"""The API's one error shape, parsed into the client's typed errors (httpx.MockTransport: parsing only)."""
+"""The API's one error shape, parsed into the client's typed errors (httpx2.MockTransport: parsing only)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
 
 from longhaul.client import (
@@ -26,12 +26,12 @@ pytestmark = pytest.mark.smoke
 def answering(status: int, body: Any = None, *, text: str | None = None, headers: dict[str, str] | None = None
               ) -> Client:
     """A client whose every request gets this one answer, never retried."""
-    def handler(request: httpx.Request) -> httpx.Response:
+    def handler(request: httpx2.Request) -> httpx2.Response:
         if text is not None:
-            return httpx.Response(status, text=text, headers=headers)
-        return httpx.Response(status, json=body, headers=headers)
+            return httpx2.Response(status, text=text, headers=headers)
+        return httpx2.Response(status, json=body, headers=headers)
 
-    return Client("http://longhaul.test", "token", transport=httpx.MockTransport(handler), retries=0)
+    return Client("http://longhaul.test", "token", transport=httpx2.MockTransport(handler), retries=0)
 
 
 @pytest.mark.parametrize(("status", "cls"), [
@@ -76,7 +76,7 @@ def test_it_names_the_status_when_a_proxy_answers_instead_of_the_api():
 
 
 def test_it_ignores_a_code_or_field_that_is_not_text():
-    error = error_from_response(httpx.Response(400, json={"error": "bad", "code": 7, "field": ["x"]}))
+    error = error_from_response(httpx2.Response(400, json={"error": "bad", "code": 7, "field": ["x"]}))
     assert (error.code, error.field) == ("http_400", None)
 
 

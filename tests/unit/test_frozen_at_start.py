@@ -28,10 +28,10 @@ import django
 django.setup()
 from tasks import supervisor
 supervisor.freeze_what_workers_share()
-import httpx
+import httpx2
 from tasks.drivers.research import ResearchDriver
 from tasks.jobs import advance
-shared = (advance, httpx.AsyncClient, ResearchDriver)
+shared = (advance, httpx2.AsyncClient, ResearchDriver)
 print(gc.get_freeze_count() > 0, all(obj is not o for obj in gc.get_objects() for o in shared))
 """
 
@@ -50,5 +50,5 @@ def test_what_the_web_process_loaded_views_included_is_frozen_out_of_the_collect
 
 def test_what_the_workers_run_is_frozen_before_they_fork():
     """A gateway job holding 200 calls paused 130-225 ms in each full collection, walking Django, the apps
-    and httpx again; the workers fork from the cluster's main process, so what it froze stays frozen."""
+    and httpx2 again; the workers fork from the cluster's main process, so what it froze stays frozen."""
     assert _probe(WORKER_PROBE) == ["True", "True"]

@@ -9,7 +9,7 @@ import sqlite3
 import threading
 from pathlib import Path
 
-import httpx
+import httpx2
 import pytest
 from django.test import override_settings
 
@@ -38,7 +38,7 @@ def offline_corpus(settings, corpus_file) -> Path:
 
 
 async def tool(name: str, **args) -> dict:
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         return await run_tool(ToolCall(name, args), client=client, budget=RetryBudget(0))
 
 

@@ -1,6 +1,6 @@
 """visit's address policy, per-hop checks and HTML to text, without touching the network.
 
-Hops are answered by httpx.MockTransport and names by a fake resolver, so a refused
+Hops are answered by httpx2.MockTransport and names by a fake resolver, so a refused
 address is proven refused before any connection: the transport records every request.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 
-import httpx
+import httpx2
 import pytest
 
 from tasks.errors import PermanentError
@@ -51,11 +51,11 @@ def test_the_address_policy(address, off, on):
 class Site:
     """A MockTransport web: answers by the pinned address, records every request it is sent."""
 
-    def __init__(self, routes: dict[tuple[str, str], httpx.Response]) -> None:
+    def __init__(self, routes: dict[tuple[str, str], httpx2.Response]) -> None:
         self.routes = routes
-        self.requests: list[httpx.Request] = []
+        self.requests: list[httpx2.Request] = []
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
+    def handle(self, request: httpx2.Request) -> httpx2.Response:
         self.requests.append(request)
         return self.routes[(request.url.host, request.url.path)]
 
@@ -72,16 +72,16 @@ async def fake_resolver(host: str, port: int) -> list:
 
 
 async def visit(url: str, site: Site, config: VisitSettings) -> dict:
-    async with httpx.AsyncClient(transport=httpx.MockTransport(site.handle)) as client:
+    async with httpx2.AsyncClient(transport=httpx2.MockTransport(site.handle)) as client:
         return await fetch_page(url, client=client, budget=RetryBudget(3), resolver=fake_resolver, config=config)
 
 
-def html(body: str) -> httpx.Response:
-    return httpx.Response(200, headers={"Content-Type": "text/html; charset=utf-8"}, text=body)
+def html(body: str) -> httpx2.Response:
+    return httpx2.Response(200, headers={"Content-Type": "text/html; charset=utf-8"}, text=body)
 
 
-def redirect(location: str) -> httpx.Response:
-    return httpx.Response(302, headers={"Location": location})
+def redirect(location: str) -> httpx2.Response:
+    return httpx2.Response(302, headers={"Location": location})
 
 
 async def test_it_connects_to_the_checked_address_with_the_host_name_kept():

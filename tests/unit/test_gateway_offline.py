@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-import httpx
+import httpx2
 import pytest
 
 from tasks.errors import PermanentError
@@ -38,7 +38,7 @@ CITATION = re.compile(r"(?<!\\)\[(\d+)\]")
 
 
 async def run(purpose: str, payload: dict, provider: OfflineProvider | None = None):
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         return await (provider or OfflineProvider()).run(ModelCall(purpose, payload), client=client,
                                                          budget=RetryBudget(0))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-import httpx
+import httpx2
 import pytest
 from django.test import override_settings
 
@@ -140,7 +140,7 @@ def test_results_are_ranked_relative_to_the_best_and_near_duplicates_are_collaps
 
 
 async def test_visit_gives_the_section_with_its_public_address_and_the_corpus_that_answered(docs_corpus):
-    async with httpx.AsyncClient() as client:
+    async with httpx2.AsyncClient() as client:
         page = await run_tool(ToolCall("visit", {"url": "corpus://docs/library/filecmp.html#filecmp.cmpfiles"}),
                               client=client, budget=RetryBudget(0))
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
+import httpx2
 from django.core.exceptions import ImproperlyConfigured
 
 from project.env import envfloat, envint, envstr
@@ -43,7 +43,7 @@ class ModelProvider(Protocol):
     name: str
     model: str
 
-    async def run(self, call: ModelCall, *, client: httpx.AsyncClient, budget: RetryBudget) -> ModelResult: ...
+    async def run(self, call: ModelCall, *, client: httpx2.AsyncClient, budget: RetryBudget) -> ModelResult: ...
 
 
 # --- Settings -------------------------------------------------------------------

@@ -13,7 +13,7 @@ import re
 import sqlite3
 from typing import Any
 
-import httpx
+import httpx2
 
 from tasks.gateway import corpus
 from tasks.gateway.providers import ModelCall, ModelResult, questions
@@ -237,7 +237,7 @@ class OfflineProvider:
         self.latency_ms = latency_ms
         self._sleep = sleep
 
-    async def run(self, call: ModelCall, *, client: httpx.AsyncClient, budget: RetryBudget) -> ModelResult:
+    async def run(self, call: ModelCall, *, client: httpx2.AsyncClient, budget: RetryBudget) -> ModelResult:
         validate_payload(call)
         if self.latency_ms:
             await self._sleep(self.latency_ms / 1000)

@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import httpx
+import httpx2
 
 from project.parsers import strict_loads
 from tasks.errors import PermanentError, RateLimited, StepTimeout, TransientError
@@ -105,7 +105,7 @@ class OpenAIProvider:
         self.model = config.model
         self._sleep = sleep
 
-    async def run(self, call: ModelCall, *, client: httpx.AsyncClient, budget: RetryBudget) -> ModelResult:
+    async def run(self, call: ModelCall, *, client: httpx2.AsyncClient, budget: RetryBudget) -> ModelResult:
         validate_payload(call)
         body = self._request_body(call)
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
@@ -163,18 +163,18 @@ class OpenAIProvider:
     def _redact(self, text: str) -> str:
         return text.replace(self.config.api_key, "[redacted]") if self.config.api_key else text
 
-    async def _post(self, client: httpx.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
+    async def _post(self, client: httpx2.AsyncClient, body: dict[str, Any]) -> dict[str, Any]:
         """One request to the server, its failure classified; the caller decides on retries."""
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         timeout = self.config.timeout_s
         try:
-            # httpx's timeout bounds each read; asyncio.timeout bounds the whole exchange.
+            # httpx2's timeout bounds each read; asyncio.timeout bounds the whole exchange.
             async with asyncio.timeout(timeout):
                 response = await client.post(f"{self.config.base_url}/chat/completions", json=body,
                                              headers=headers, timeout=timeout)
-        except (TimeoutError, httpx.TimeoutException) as exc:
+        except (TimeoutError, httpx2.TimeoutException) as exc:
             raise StepTimeout(f"model server did not answer within {timeout:g} s") from exc
-        except httpx.TransportError as exc:
+        except httpx2.TransportError as exc:
             raise TransientError(f"model server unreachable: {type(exc).__name__}") from exc
         status = response.status_code
         if status == 429:
