@@ -53,6 +53,10 @@ TARGET_PER_PROCESS = 100
 CLAIM_WAIT_TARGET_MS = 50  # a call requested -> claimed by a gateway job, p50
 NEXT_STEP_TARGET_MS = 100  # a step's last result recorded -> its next step committed, p50
 WITH_ROOM = "requested while the gateway had room for it"
+# A call's time out with a gateway job, in two: the remote answer as the job timed it (usage.duration_ms,
+# retries included), and the rest (the call started on the job's loop, its outcome recorded).
+ANSWER = "the remote answer (the gateway's own timing)"
+AROUND = "claimed -> recorded, less the remote answer"
 STARTS = {"staged": "first steps run before the cluster started", "live": "submitted to a running cluster"}
 SEARCHES = {"web": "a loopback SearxNG-style search endpoint and its pages", "corpus": "the bundled offline corpus"}
 LIMITS = {"tasks": 2000, "delay": 30.0, "workers": 8, "timeout": 1800}
@@ -203,17 +207,19 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     claim_wait: dict[str, list[float]] = {"model": [], "tool": []}
     claim_wait_with_room: dict[str, list[float]] = {"model": [], "tool": []}
     run: dict[str, list[float]] = {"model": [], "tool": []}
+    answer: dict[str, list[float]] = {"model": [], "tool": []}  # the remote part, as the gateway timed it
     last_done: dict[tuple[int, int], float] = {}
     calls = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
-        "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at"))
-    first_claim = min((started for *_, started, _ in calls), default=None)
+        "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage"))
+    first_claim = min((started for *_, started, _, _ in calls), default=None)
     room = had_room(calls, cap=settings.LONGHAUL_GATEWAY_INFLIGHT)
-    for op_id, task_id, step, kind, created, started, done in calls:
+    for op_id, task_id, step, kind, created, started, done, usage in calls:
         if created >= first_claim:  # a call staged before any worker ran waited for the cluster to start
             claim_wait[kind].append((started - created).total_seconds() * 1000)
             if op_id in room:
                 claim_wait_with_room[kind].append(claim_wait[kind][-1])
         run[kind].append((done - started).total_seconds() * 1000)
+        answer[kind].append(float(usage.get("duration_ms", 0)))
         key = (task_id, step)
         last_done[key] = max(last_done.get(key, 0.0), done.timestamp())
     # Operations of step k (0-based) were requested by checkpoint k + 1; their outcomes are read by step k + 1,
@@ -224,9 +230,13 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
         "model call: requested -> claimed by a gateway job": claim_wait["model"],
         f"model call: {WITH_ROOM} -> claimed": claim_wait_with_room["model"],
         "model call: claimed -> result recorded": run["model"],
+        f"model call: {ANSWER}": answer["model"],
+        f"model call: {AROUND}": [whole - remote for whole, remote in zip(run["model"], answer["model"])],
         "tool call: requested -> claimed by a gateway job": claim_wait["tool"],
         f"tool call: {WITH_ROOM} -> claimed": claim_wait_with_room["tool"],
         "tool call: claimed -> result recorded": run["tool"],
+        f"tool call: {ANSWER}": answer["tool"],
+        f"tool call: {AROUND}": [whole - remote for whole, remote in zip(run["tool"], answer["tool"])],
         "last result of a step -> next step committed": next_step,
     }
 
@@ -237,7 +247,7 @@ def had_room(calls: list[tuple], *, cap: int) -> set[int]:
     calls to end, as the cap says they must; these waited for the gateway alone. (The pools' room, 400
     calls each here, and a task's, 8 calls, which no research step asks for more than, never bind first.)"""
     moves: list[tuple[float, int, int, int]] = []  # (when, order among moves at one time, op, what happens)
-    for op_id, _, _, _, created, started, done in calls:
+    for op_id, _, _, _, created, started, done, _ in calls:
         moves += [(created.timestamp(), 1, op_id, 0), (started.timestamp(), 0, op_id, 1),
                   (done.timestamp(), 0, op_id, 2)]
     busy, room = 0, set()  # busy: calls out or waiting
