@@ -34,6 +34,7 @@ import os
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,7 +46,7 @@ from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 from django_q.tasks import async_task
 
-from tasks import actions, events, jobs
+from tasks import actions, clock, events, jobs, leases
 from tasks.models import AdmissionRecord, Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import TERMINAL, TaskStatus
 
@@ -283,6 +284,18 @@ def in_place(scope: h.Scope, steps: int) -> list[int] | None:
     return per_commit[1:-1] or None
 
 
+def waiting_besides(ids: list[int]) -> dict[str, int]:
+    """Broker rows (by job) and due tasks other than `ids`: a worker's turn ends for the first (a job waits)
+    and goes on to the second (the task due longest first), so either keeps `ids` from ending in one turn."""
+    found: Counter[str] = Counter()
+    for payload in OrmQ.objects.values_list("payload", flat=True):
+        package = SignedPackage.loads(payload)
+        if (package.get("args") or (None,))[0] not in ids:
+            found[str(package.get("func"))] += 1
+    found["tasks due"] = leases.due(clock.now()).exclude(pk__in=ids).count()
+    return dict(found)
+
+
 def going_on(scope: h.Scope, tasks: int, steps: int) -> float:
     """SQL statements a step costs when the worker goes on from task to task within its turn (tasks/runner.py):
     `tasks` tasks of `steps` steps, due together, run by one `advance` with the broker empty; the mean over
@@ -291,11 +304,12 @@ def going_on(scope: h.Scope, tasks: int, steps: int) -> float:
     with h.override(LONGHAUL_STEP_SLICE_MS=60_000):
         ids, _ = submit_many(scope, tasks, steps)
         h.purge_kicks(set(ids), set())
+        others = waiting_besides(ids)  # what would make the turn end early, read before it starts
         with CaptureQueriesContext(connection) as queries:
             jobs.advance(ids[0])
         done = Task.objects.filter(pk__in=ids, status=TaskStatus.SUCCEEDED).count()
     h.purge_kicks(set(ids), set())
-    assert done == tasks, f"going on: {done} of {tasks} tasks succeeded in one turn"
+    assert done == tasks, f"going on: {done} of {tasks} tasks succeeded in one turn; waiting besides them: {others}"
     return len(queries.captured_queries) / (tasks * steps)
 
 
