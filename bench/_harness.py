@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -46,8 +47,15 @@ def _development_master_keys() -> str:
     return (var_dir / "master_keys").read_text().strip()
 
 
+def _unwind(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def setup() -> None:
     """Django for a benchmark process; debug drivers on (the `sleep` kind), PostgreSQL required."""
+    # Stopped by SIGTERM (`timeout`, say), a benchmark unwinds as it does for Ctrl-C: its `with` blocks stop the
+    # clusters and servers they started. Killed outright, it left a cluster running that loaded the next runs.
+    signal.signal(signal.SIGTERM, _unwind)
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "project.settings")
