@@ -438,22 +438,28 @@ def _ids(sql: str, params: list[Any]) -> list[int]:
 GENERIC_JOBS = ("tasks.jobs.sweep", "chat.jobs.sweep")
 
 
-def purge_kicks(task_ids: set[int], run_ids: set[int], *, funcs: Sequence[str] = (),
-                task_arg_zero: bool = False) -> int:
-    """Delete the broker rows that name our tasks or runs (or run one of `funcs`).
-
-    Kicks are signed pickles, so they are read one by one."""
+def broker_rows() -> Iterator[tuple[int, Any, Any]]:
+    """(pk, func, first argument) of each broker row this process can read. Kicks are signed pickles, so
+    they are read one by one; a row signed with another key is not ours to judge, and is left out."""
     from django_q.models import OrmQ
     from django_q.signing import SignedPackage
 
-    doomed = []
     for pk, payload in OrmQ.objects.values_list("pk", "payload").iterator(chunk_size=2000):
         try:
             package = SignedPackage.loads(payload)
-        except Exception:  # not ours to judge
+        except Exception:
             continue
-        func, args = package.get("func"), package.get("args") or ()
-        arg = args[0] if args else None
+        args = package.get("args") or ()
+        yield pk, package.get("func"), args[0] if args else None
+
+
+def purge_kicks(task_ids: set[int], run_ids: set[int], *, funcs: Sequence[str] = (),
+                task_arg_zero: bool = False) -> int:
+    """Delete the broker rows that name our tasks or runs (or run one of `funcs`)."""
+    from django_q.models import OrmQ
+
+    doomed = []
+    for pk, func, arg in broker_rows():
         if func in funcs:
             doomed.append(pk)
         elif func == "chat.jobs.run_agent":
@@ -572,7 +578,7 @@ def epoch(dt: datetime | None) -> float:
 
 
 __all__ = [
-    "ROOT", "Report", "Scope", "Target", "broker_backlog", "daphne", "epoch", "fmt", "log_dir", "machine",
+    "ROOT", "Report", "Scope", "Target", "broker_backlog", "broker_rows", "daphne", "epoch", "fmt", "log_dir", "machine",
     "machine_line", "median", "migrate_if_needed", "override", "percentile", "purge_kicks", "purge_tenant",
     "qcluster", "settings", "table", "wait_until",
 ]

@@ -117,7 +117,7 @@ async def sweep(base: str, token: str, levels: list[int], *, seconds: float,
     results: dict[tuple[str, int], Sample] = {}
     limits = httpx2.Limits(max_connections=max(levels), max_keepalive_connections=max(levels))
     async with httpx2.AsyncClient(base_url=base, headers={"Authorization": f"Token {token}"}, limits=limits,
-                                 timeout=30) as client:
+                                  timeout=30) as client:
         load = Load(client)
         seed = Sample()
         for _ in range(SEED_KEYS):  # keys to replay and tasks to read from the first request on

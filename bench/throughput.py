@@ -287,11 +287,7 @@ def in_place(scope: h.Scope, steps: int) -> list[int] | None:
 def waiting_besides(ids: list[int]) -> dict[str, int]:
     """Broker rows (by job) and due tasks other than `ids`: a worker's turn ends for the first (a job waits)
     and goes on to the second (the task due longest first), so either keeps `ids` from ending in one turn."""
-    found: Counter[str] = Counter()
-    for payload in OrmQ.objects.values_list("payload", flat=True):
-        package = SignedPackage.loads(payload)
-        if (package.get("args") or (None,))[0] not in ids:
-            found[str(package.get("func"))] += 1
+    found = Counter(str(func) for _, func, arg in h.broker_rows() if arg not in ids)
     found["tasks due"] = leases.due(clock.now()).exclude(pk__in=ids).count()
     return dict(found)
 

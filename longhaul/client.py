@@ -87,7 +87,7 @@ class Client:
         use_websocket. `transport` replaces the network (httpx2.MockTransport in tests)."""
         self.settings = _settings(url, token, **options)
         self._http = httpx2.Client(base_url=self.settings.api_url, headers=self.settings.headers(),
-                                  timeout=self.settings.timeout, transport=transport)
+                                   timeout=self.settings.timeout, transport=transport)
 
     @classmethod
     def from_config(cls, **options: Any) -> Client:
@@ -203,7 +203,7 @@ class AsyncClient:
                  **options: Any) -> None:
         self.settings = _settings(url, token, **options)
         self._http = httpx2.AsyncClient(base_url=self.settings.api_url, headers=self.settings.headers(),
-                                       timeout=self.settings.timeout, transport=transport)
+                                        timeout=self.settings.timeout, transport=transport)
 
     @classmethod
     def from_config(cls, **options: Any) -> AsyncClient:

@@ -1030,7 +1030,7 @@ async def pump(*, owner: str, run_for: float) -> int | None:
     # httpx2's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says. Each client may
     # open them all (the job's own cap bounds the calls out), and keeps its share open between calls.
     pool = httpx2.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
-                        max_keepalive_connections=-(-settings.LONGHAUL_GATEWAY_INFLIGHT // CLIENT_SHARDS))
+                         max_keepalive_connections=-(-settings.LONGHAUL_GATEWAY_INFLIGHT // CLIENT_SHARDS))
     try:
         await listener.start(await sync_to_async(requested.conninfo)())
         async with contextlib.AsyncExitStack() as clients_open:

@@ -43,7 +43,7 @@ class Api:
 
     def __post_init__(self) -> None:
         self.client = httpx2.Client(base_url=self.base, timeout=10.0,
-                                   headers={"Authorization": f"Token {self.token}"})
+                                    headers={"Authorization": f"Token {self.token}"})
 
     def close(self) -> None:
         self.client.close()
