@@ -368,7 +368,10 @@ LONGHAUL_MCP_REQUESTS_PER_MINUTE = envint("LONGHAUL_MCP_REQUESTS_PER_MINUTE", 0,
 LONGHAUL_POOLS = pools.parse(envstr("LONGHAUL_POOLS"))
 # Calls one task has out at once, over all pools: a step that fans out 30 reads leaves room for others.
 LONGHAUL_TASK_CALLS_IN_FLIGHT = envint("LONGHAUL_TASK_CALLS_IN_FLIGHT", 8, minimum=1)
-LONGHAUL_GATEWAY_INFLIGHT = envint("LONGHAUL_GATEWAY_INFLIGHT", 200, minimum=1)
+# Calls one gateway job keeps out at once: the process's ceiling, set above what the pools allow together, so
+# that the pools, not the job, decide what each remote takes. A job raises its open-file limit to match, or keeps
+# fewer out if it cannot (tasks/descriptors.py).
+LONGHAUL_GATEWAY_INFLIGHT = envint("LONGHAUL_GATEWAY_INFLIGHT", 1000, minimum=1)
 LONGHAUL_GATEWAY_SLICE_SECONDS = envfloat("LONGHAUL_GATEWAY_SLICE_SECONDS", 60.0, minimum=1.0)
 LONGHAUL_OPERATION_LEASE_SECONDS = envfloat("LONGHAUL_OPERATION_LEASE_SECONDS", 180.0, minimum=1.0)
 LONGHAUL_NOTIFY_RETRY_BASE_SECONDS = envfloat("LONGHAUL_NOTIFY_RETRY_BASE_SECONDS", 2.0, minimum=0.0)

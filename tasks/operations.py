@@ -51,6 +51,7 @@ from tasks import broker, clock, drain, events, kicks, leases, pools, requested,
 from tasks.budgets import Budget
 from tasks.compiled import compiled_once
 from tasks.context import digest
+from tasks.descriptors import calls_at_most
 from tasks.drain import draining
 from tasks.drivers import OpRequest
 from tasks.errors import InternalError, InvalidInput, RateLimited, StepError, StepTimeout
@@ -1027,10 +1028,10 @@ async def pump(*, owner: str, run_for: float) -> int | None:
     listener = requested.Listener()
     claims = DatabaseThread("gateway-claims")
     ran = 0
-    # httpx2's default pool holds 100 connections whatever LONGHAUL_GATEWAY_INFLIGHT says. Each client may
-    # open them all (the job's own cap bounds the calls out), and keeps its share open between calls.
-    pool = httpx2.Limits(max_connections=settings.LONGHAUL_GATEWAY_INFLIGHT,
-                         max_keepalive_connections=-(-settings.LONGHAUL_GATEWAY_INFLIGHT // CLIENT_SHARDS))
+    cap = calls_at_most(settings.LONGHAUL_GATEWAY_INFLIGHT)
+    # httpx2's default pool holds 100 connections whatever the cap says. Each client may open them all (the
+    # job's own cap bounds the calls out), and keeps its share open between calls.
+    pool = httpx2.Limits(max_connections=cap, max_keepalive_connections=-(-cap // CLIENT_SHARDS))
     try:
         await listener.start(await sync_to_async(requested.conninfo)())
         async with contextlib.AsyncExitStack() as clients_open:
@@ -1051,7 +1052,7 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                     await listener.stop()
                     await claims.close()
                     await sync_to_async(kick_if_claimable)()
-                room = settings.LONGHAUL_GATEWAY_INFLIGHT - len(in_flight)
+                room = cap - len(in_flight)
                 batch, anything_due = [], True
                 if room > 0 and claiming:
                     listener.heard.clear()  # before the claim: a commit heard during it calls for another
@@ -1068,7 +1069,7 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                 # waits for a call to end or that look: it could only be held back too. After one that found
                 # nothing due, what is heard is the only thing to claim.
                 listen = (claiming and (bool(batch) or not anything_due)
-                          and len(in_flight) < settings.LONGHAUL_GATEWAY_INFLIGHT)
+                          and len(in_flight) < cap)
                 heard = asyncio.create_task(listener.heard.wait()) if listen else None
                 done, _ = await asyncio.wait({*in_flight, *([heard] if heard else [])}, timeout=requested.LOOK_EVERY,
                                              return_when=asyncio.FIRST_COMPLETED)
