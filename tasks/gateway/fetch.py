@@ -1,4 +1,4 @@
-"""The visit tool's HTTP fetch: scheme, address, size, time and content-type limits, HTML to text.
+"""The visit tool's HTTP fetch: scheme, address, size, time and content-type limits (HTML to text: html_text.py).
 
 Address policy (checked on every hop, before any connection; `address_refusal`):
 - always refused, even with LONGHAUL_ALLOW_PRIVATE_FETCH=1: link-local addresses (the
@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx2
-from bs4 import BeautifulSoup, Comment
 from django.core.exceptions import ImproperlyConfigured
 
 from project.env import envbool, envfloat, envint
 from tasks import clock
 from tasks.errors import PermanentError, RateLimited, StepTimeout, TransientError
 from tasks.gateway import configured
+from tasks.gateway.html_text import html_to_text
 from tasks.gateway.retry import RetryBudget, Sleep, retry_after_seconds, with_retries
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -39,12 +39,6 @@ MAX_REDIRECTS = 5
 USER_AGENT = "Longhaul-research/0.1"
 _THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 _SHARED_SPACE = ipaddress.ip_network("100.64.0.0/10")
-# Elements that hold no readable page text, or text a reader never sees.
-_DROP_TAGS = ("script", "style", "nav", "noscript", "template", "svg", "canvas", "iframe", "object", "embed",
-              "form", "button", "select", "head", "title")
-_BLOCK_TAGS = ("p", "div", "section", "article", "main", "header", "footer", "aside", "li", "ul", "ol", "dl",
-               "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "blockquote", "table", "tr", "td", "th",
-               "figcaption", "br", "hr")
 
 
 @dataclass(frozen=True)
@@ -217,34 +211,6 @@ async def _read(response: httpx2.Response, *, url: httpx2.URL, config: VisitSett
 
 
 # --- HTML to text ---------------------------------------------------------------
-
-
-def _hidden(tag: Any) -> bool:
-    style = (tag.get("style") or "").replace(" ", "").lower()
-    return (tag.has_attr("hidden") or tag.get("aria-hidden") == "true"
-            or "display:none" in style or "visibility:hidden" in style)
-
-
-def html_to_text(content: bytes, charset: str | None) -> tuple[str, str]:
-    """(title, text) of an HTML page: scripts, styles, navigation and hidden elements dropped."""
-    soup = BeautifulSoup(content, "html.parser", from_encoding=charset)
-    title_tag = soup.find("title")
-    title = " ".join(title_tag.get_text(" ").split()) if title_tag else ""
-    # Text a reader never sees is where injected instructions like to hide.
-    for tag in soup.find_all(_DROP_TAGS) + soup.find_all(_hidden):
-        if not tag.decomposed:
-            tag.decompose()
-    for comment in soup.find_all(string=lambda s: isinstance(s, Comment)):
-        comment.extract()
-    for tag in soup.find_all(_BLOCK_TAGS):
-        tag.insert_before("\n")
-        tag.insert_after("\n")
-    lines = (" ".join(line.split()) for line in soup.get_text().splitlines())
-    text = "\n".join(line for line in lines if line)
-    if not title:
-        heading = next((line for line in text.splitlines()), "")
-        title = heading[:200]
-    return title, text
 
 
 def decode_text(content: bytes, charset: str | None) -> str:
