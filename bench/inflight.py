@@ -52,6 +52,7 @@ from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler, research_repl
 TARGET_PER_PROCESS = 100
 CLAIM_WAIT_TARGET_MS = 50  # a call requested -> claimed by a gateway job, p50
 NEXT_STEP_TARGET_MS = 100  # a step's last result recorded -> its next step committed, p50
+POOL_CONCURRENCY = 400  # each pool's (model, search, visit): above what a wave of 200 tasks asks of the model
 WITH_ROOM = "requested while the gateway had room for it"
 # A call's time out with a gateway job, in two: the remote answer as the job timed it (usage.duration_ms,
 # retries included), and the rest (the call started on the job's loop, its outcome recorded).
@@ -209,10 +210,12 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     run: dict[str, list[float]] = {"model": [], "tool": []}
     answer: dict[str, list[float]] = {"model": [], "tool": []}  # the remote part, as the gateway timed it
     last_done: dict[tuple[int, int], float] = {}
-    calls = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
-        "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage"))
+    rows = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
+        "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage", "pool"))
+    calls = [row[:-1] for row in rows]
     first_claim = min((started for *_, started, _, _ in calls), default=None)
-    room = had_room(calls, cap=settings.LONGHAUL_GATEWAY_INFLIGHT)
+    room = had_room([(row[0], row[4], row[5], row[6], row[8]) for row in rows],
+                    cap=settings.LONGHAUL_GATEWAY_INFLIGHT, pool_cap=POOL_CONCURRENCY)
     for op_id, task_id, step, kind, created, started, done, usage in calls:
         if created >= first_claim:  # a call staged before any worker ran waited for the cluster to start
             claim_wait[kind].append((started - created).total_seconds() * 1000)
@@ -241,24 +244,38 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     }
 
 
-def had_room(calls: list[tuple], *, cap: int) -> set[int]:
-    """The calls requested while the gateway had room for them: the calls out then, and those asked for
-    earlier and still waiting, fewer than the job's cap (LONGHAUL_GATEWAY_INFLIGHT). The others waited for
-    calls to end, as the cap says they must; these waited for the gateway alone. (The pools' room, 400
-    calls each here, and a task's, 8 calls, which no research step asks for more than, never bind first.)"""
-    moves: list[tuple[float, int, int, int]] = []  # (when, order among moves at one time, op, what happens)
-    for op_id, _, _, _, created, started, done, _ in calls:
-        moves += [(created.timestamp(), 1, op_id, 0), (started.timestamp(), 0, op_id, 1),
-                  (done.timestamp(), 0, op_id, 2)]
-    busy, room = 0, set()  # busy: calls out or waiting
-    for _, _, op_id, what in sorted(moves):
+def had_room(calls: list[tuple], *, cap: int, pool_cap: int) -> set[int]:
+    """The calls requested while the gateway had room for them: fewer than the job's cap
+    (LONGHAUL_GATEWAY_INFLIGHT) out or asked for earlier and still waiting, and fewer than `pool_cap` of their
+    own pool's (POOL_CONCURRENCY). The others waited for calls to end, as the caps say they must; these
+    waited for the gateway alone. (A task's cap, 8 calls, which no research step asks for more than, never
+    binds.) `calls`: (id, created, started, finished, pool)."""
+    moves: list[tuple[float, int, int, int, str]] = []  # (when, order among moves at one time, op, what, pool)
+    for op_id, created, started, done, pool in calls:
+        moves += [(created.timestamp(), 1, op_id, 0, pool), (started.timestamp(), 0, op_id, 1, pool),
+                  (done.timestamp(), 0, op_id, 2, pool)]
+    busy, busy_in, room = 0, Counter[str](), set()  # calls out or waiting: in all, in each pool
+
+    for _, _, op_id, what, pool in sorted(moves):
         if what == 0:
-            if busy < cap:
+            if busy < cap and busy_in[pool] < pool_cap:
                 room.add(op_id)
             busy += 1
+            busy_in[pool] += 1
         elif what == 2:
             busy -= 1
+            busy_in[pool] -= 1
     return room
+
+
+def busiest_second(times: list[float]) -> int:
+    """The most of `times` (sorted) within any one second."""
+    most, first = 0, 0
+    for last, at in enumerate(times):
+        while at - times[first] >= 1.0:
+            first += 1
+        most = max(most, last - first + 1)
+    return most
 
 
 def most_at_once(ids: list[int]) -> tuple[int, int]:
@@ -298,8 +315,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
     report = h.Report(
         "inflight", "Model calls in flight per worker process",
         f"{tasks} research tasks against a loopback OpenAI-compatible fake answering after {delay:g} s, through a "
-        f"qcluster of {workers} worker processes (LONGHAUL_MODEL_CONCURRENCY and LONGHAUL_TOOL_CONCURRENCY 400, so "
-        f"no pool holds a call back); search and visit against {SEARCHES[search]}; the fake's in-flight requests, "
+        f"qcluster of {workers} worker processes (a gateway job keeps up to LONGHAUL_GATEWAY_INFLIGHT "
+        f"{settings.LONGHAUL_GATEWAY_INFLIGHT} calls out; LONGHAUL_MODEL_CONCURRENCY and LONGHAUL_TOOL_CONCURRENCY "
+        f"{POOL_CONCURRENCY}, so each of the model, search and visit pools takes up to {POOL_CONCURRENCY}); search "
+        f"and visit against {SEARCHES[search]}; the fake's in-flight requests, "
         f"attributed to worker processes by socket owner, beside a bare asyncio + httpx2 client. The claim waits leave "
         f"out the calls staged before the cluster started (they wait for the workers to start, not for a claim).",
     )
@@ -315,7 +334,8 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                 fake_answers = fake_answers or answers  # the first: every request out at once
                 baseline.append([label, fake.max_in_flight, "-", f"{tasks / seconds:.0f} calls/s"])
             env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
-                   "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": "400", "LONGHAUL_TOOL_CONCURRENCY": "400",
+                   "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": str(POOL_CONCURRENCY),
+                   "LONGHAUL_TOOL_CONCURRENCY": str(POOL_CONCURRENCY),
                    "LONGHAUL_MAX_RUNNING": str(tasks + 10)}
             if site is not None:
                 env |= {"LONGHAUL_SEARCH_URL": f"{site.url}/search", "LONGHAUL_ALLOW_PRIVATE_FETCH": "1"}
@@ -365,7 +385,9 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             waits = pipeline_waits(ids)
             most_waiting, most_out = most_at_once(ids)
             since = datetime.fromtimestamp(started, tz=timezone.utc)
-            steps = Checkpoint.objects.filter(task_id__in=ids, at__gte=since).count()
+            commits = sorted(at.timestamp() for at in Checkpoint.objects.filter(task_id__in=ids, at__gte=since)
+                             .values_list("at", flat=True))
+            steps = len(commits)
     finally:
         scope.purge()
 
@@ -435,37 +457,38 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         f"a step's last result -> its next step committed, p50 < {NEXT_STEP_TARGET_MS} ms", f"{next_step:,.0f} ms",
         next_step < NEXT_STEP_TARGET_MS))
     steps_per_s = steps / elapsed if elapsed else 0.0
+    busiest = busiest_second(commits)
     if max(claim_waits.values()) >= CLAIM_WAIT_TARGET_MS:
-        at_cap = most_out >= settings.LONGHAUL_GATEWAY_INFLIGHT
+        held = sum(len(waits[f"{kind} call: requested -> claimed by a gateway job"])
+                   - len(waits[f"{kind} call: {WITH_ROOM} -> claimed"]) for kind in ("model", "tool"))
         report.notes.append(
             "Why calls wait to be claimed: a running gateway job claims when it hears a step's commit (LISTEN), on a "
-            f"thread and a database connection of its own. The calls {WITH_ROOM} (fewer than "
-            f"LONGHAUL_GATEWAY_INFLIGHT calls out or waiting before it) waited {h.fmt(with_room['model'], 0)} ms "
-            f"(model) and {h.fmt(with_room['tool'], 0)} ms (tool) at the median: that is the gateway's own wait. "
-            + (f"The others were asked for while the job was full: one job keeps at most "
-               f"{settings.LONGHAUL_GATEWAY_INFLIGHT} calls out, and a wave asks for more at once ({most_waiting} "
-               "waited to be claimed at the busiest moment), so they wait for calls to end, as the cap says they "
-               "must, and the slots a job frees are shared among the pools with calls due (operations.claim_batch): "
-               "searches wait their turn beside model calls of two seconds. The calls' time out, summed over the "
-               f"cap, is {floor:.1f} s of the run's {elapsed:.1f} s: no claim order makes the run shorter than that, "
-               "and the waves (a task's next calls wait for its step) keep the slots from being full throughout. "
-               "A higher cap moves that wait into the loopback servers, which stand for other machines: with the "
-               "cap and the pools at 2,000 (measured once, at afeb553), model calls were claimed in 12 ms and tool "
-               "calls in 63 ms at the median, but a visit then took 2.5 s, as the loopback site (a thread per "
-               "request) answers about 400 pages a second (1,000 GETs at once take 2.4 s with no Longhaul in the "
-               "way), and the run took as long. " if at_cap else "")
+            f"thread and a database connection of its own. The calls {WITH_ROOM} (fewer calls out or waiting before "
+            f"them than the job's cap and than their pool's) waited {h.fmt(with_room['model'], 0)} ms (model) and "
+            f"{h.fmt(with_room['tool'], 0)} ms (tool) at the median: that is the gateway's own wait. "
+            + (f"The others ({held}) were asked for while the job was full "
+               f"({settings.LONGHAUL_GATEWAY_INFLIGHT} calls out or waiting) or their pool was ({POOL_CONCURRENCY}): "
+               f"a wave asks for more at once ({most_waiting} waited to be claimed at the busiest moment), so they "
+               "wait for calls to end, as the caps say they must. The slots a job frees are shared among the pools "
+               "with calls due (operations.claim_batch). "
+               "Bigger pools move that wait into the loopback servers, which stand for other machines: with the "
+               "pools at 1,000 (measured once, at the commit that made the job's cap 1,000), model calls were "
+               "claimed in 8 ms and tool calls in 24 ms at the median, but a visit then took 1.05 s against the "
+               "loopback site (a thread per request, in this benchmark's process, on the same two cores), and the "
+               "run took 12.4 s. " if held else "")
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
             f"Why a task waits for its next step: the gateway job holds one of the {workers} worker processes for "
-            f"its slice, so the other runs every step, {steps_per_s:.0f} steps/s here. Results arrive in waves (the "
-            f"{tasks} plan answers within a second or two of each other, then their searches, and so on), and a "
-            f"wave's next steps queue: {tasks} of them take {tasks / steps_per_s if steps_per_s else 0:.1f} s to "
-            "drain, so the median task of a wave waits about half that. The wait is the steps' queue, not the "
-            "hand-off (a kick reaches an idle worker at once: its pusher listens for it). More step capacity alone "
-            "moves the wait to the claims while the job's slots are full: with a third worker process (measured "
-            "once, --workers 3, same code path) the next step came in 224 ms at the median, and tool calls waited "
-            "2.4 s to be claimed; the run took as long.")
+            f"its slice, so the other runs every step: {steps_per_s:.0f} steps/s over the run, and {busiest} in its "
+            f"busiest second, when a backlog kept it going from task to task. Results arrive in waves (the {tasks} "
+            "plan answers within a second or two of each other, then their searches, and so on), and a wave's next "
+            f"steps queue: {tasks} of them take {tasks / busiest if busiest else 0:.1f} s to drain at that pace, so "
+            "the median task of a wave waits about half that. The wait is the steps' queue, not the hand-off (a kick "
+            "reaches an idle worker at once: its pusher listens for it). More step capacity moves the wait to the "
+            "calls: with a third worker process (measured once, --workers 3, at the commit that made the job's cap "
+            "1,000) the next step came in 118 ms at the median, tool calls waited 514 ms to be claimed, and the run "
+            "took 12.7 s.")
     return report
 
 
