@@ -515,7 +515,14 @@ def operations_done_many(tasks: list[Task], *, now: datetime) -> list[Task]:
         _check_waiting_for_calls(task)
     running = [task for task in tasks if task.status == S.RUNNING]
     moved = _move_quietly(running, S.RUNNING, now=now, guard=_CALLS_OUT, fields=_calls_done(now))
-    return [*moved, *(task for task in tasks if task.status != S.RUNNING and operations_done(task, now=now))]
+    waiting = [task for task in tasks if task.status == S.WAITING_TOOL]
+    if connection.vendor == "postgresql":
+        # One statement for them all too, each writing its event (on SQLite, one transition each).
+        told = _move_telling_each(waiting, S.RUNNING, NewEvent("tool_results_ready", {}), now=now, guard=_CALLS_OUT,
+                                  fields=_calls_done(now))
+    else:
+        told = [task for task in waiting if operations_done(task, now=now)]
+    return [*moved, *told]
 
 
 _CALLS_OUT = NOT_HELD & Q(next_run_at__isnull=True)  # waiting for its calls, not yet made due
@@ -555,6 +562,53 @@ def _move_quietly(tasks: list[Task], to: TaskStatus, *, now: datetime, guard: Q,
         for name, value in values.items():
             setattr(task, name, value)
         task.version += 1
+    return moved
+
+
+def _move_telling_each(tasks: list[Task], to: TaskStatus, event: NewEvent, *, now: datetime, guard: Q,
+                       fields: dict[str, Any]) -> list[Task]:
+    """_move_quietly for a move that writes one event, `event`, on each task moved (PostgreSQL): one UPDATE,
+    which reserves each row's seq, and the events' INSERT, from its RETURNING, in one statement. For a move
+    with nothing else to follow, as _move_quietly's; the listeners hear the events and the streams are woken,
+    as after _move. Returns the tasks moved, changed as their rows."""
+    if not tasks:
+        return []
+    assert to in HOLDS_SLOT and to not in TOLD, f"a move to {to} has consequences"
+    assert all(task.status in HOLDS_SLOT for task in tasks), "a move that needs a slot has consequences"
+    qn = connection.ops.quote_name
+    table, seq = qn(Task._meta.db_table), qn("last_event_seq")
+    values = {**fields, "status": to, "updated_at": now}
+    items, params = typed_sql.set_items(Task, values)  # none sealed: the tasks' tenants may differ
+    items += [f"{seq} = {seq} + 1", f"{qn('version')} = {table}.{qn('version')} + 1"]
+    read_as = ", ".join(["(CAST(%s AS bigint), CAST(%s AS text), CAST(%s AS integer))"] * len(tasks))
+    params += [value for task in tasks for value in (task.pk, task.status, task.version)]
+    guard_sql, guard_params = _guard_sql(guard)
+    params += guard_params
+    logged = {task.pk: unsaved(task, [event], last=1, status=to, at=now)[0] for task in tasks}
+    fields_of_event = [field for field in _inserted_fields(TaskEvent) if field.attname != "seq"]
+    rows = ", ".join([f"(CAST(%s AS bigint), {', '.join(map(typed_sql.typed_param, fields_of_event))})"] * len(tasks))
+    for task in tasks:
+        params += [task.pk, *typed_sql.insert_params(TaskEvent, fields_of_event, [logged[task.pk]])]
+    columns = [qn(field.column) for field in fields_of_event]
+    seq_column = qn(TaskEvent._meta.get_field("seq").column)
+    names = [f"e{n}" for n in range(len(columns))]
+    sql = (f"WITH moved AS (UPDATE {table} SET {', '.join(items)} FROM (VALUES {read_as}) AS r(id, status, version) "
+           f"WHERE {table}.{qn('id')} = r.id AND {table}.{qn('status')} = r.status "
+           f"AND {table}.{qn('version')} = r.version AND {guard_sql} RETURNING {table}.{qn('id')}, {table}.{seq}), "
+           f"saved AS (INSERT INTO {qn(TaskEvent._meta.db_table)} ({', '.join(columns)}, {seq_column}) "
+           f"SELECT {', '.join(f'e.{name}' for name in names)}, moved.{seq} FROM moved "
+           f"JOIN (VALUES {rows}) AS e(task_id, {', '.join(names)}) ON e.task_id = moved.{qn('id')}) "
+           f"SELECT {qn('id')}, {seq} FROM moved")
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        won = dict(cursor.fetchall())
+    moved = [task for task in tasks if task.pk in won]
+    for task in moved:
+        for name, value in values.items():
+            setattr(task, name, value)
+        task.version += 1
+        logged[task.pk].seq = won[task.pk]
+        written(task, [logged[task.pk]], last=won[task.pk])
     return moved
 
 

@@ -151,6 +151,31 @@ def test_a_batch_that_ends_ten_steps_sends_as_many_statements_as_one_that_ends_o
         (TaskStatus.RUNNING, "", True, 1)}, "each made due as operations_done makes it, its version bumped once"
 
 
+@one_update_a_batch
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_that_ends_ten_steps_waiting_for_tools_sends_as_many_statements_as_one_and_tells_each(
+        acme, alice, globex, charlie):
+    one = waiting(acme, alice)[1][0]
+    ten = [waiting(*((acme, alice) if n % 2 else (globex, charlie)))[1][0] for n in range(10)]
+    seqs = dict(Task.objects.values_list("pk", "last_event_seq"))
+    OrmQ.objects.all().delete()
+
+    with CaptureQueriesContext(connection) as for_one:
+        assert operations.record_many([outcome(one)], owner=OWNER) == [True]
+    with CaptureQueriesContext(connection) as for_ten:
+        assert operations.record_many([outcome(op) for op in ten], owner=OWNER) == [True] * 10
+
+    assert len(for_ten) == len(for_one), [q["sql"][:80] for q in for_ten]
+    assert advance_kicks() == sorted(op.task_id for op in [one, *ten])
+    for task in Task.objects.filter(pk__in=[op.task_id for op in [one, *ten]]):
+        assert (task.status, task.waiting_reason, task.next_run_at is not None, task.last_event_seq) == (
+            TaskStatus.RUNNING, "", True, seqs[task.pk] + 1), "made due, its seq reserved"
+        told = [(e.seq, e.kind, e.status, e.tenant_id, e.data) for e in TaskEvent.objects.filter(
+            task_id=task.pk, seq__gt=seqs[task.pk])]
+        assert told == [(seqs[task.pk] + 1, "tool_results_ready", TaskStatus.RUNNING, task.tenant_id, {})], (
+            "its event, sealed for its own tenant")
+
+
 @pytest.mark.django_db(transaction=True)
 def test_the_steps_a_batch_makes_due_move_as_operations_done_moves_each(acme, alice):
     def running(reason: str = "model", **fields: Any) -> Task:
