@@ -472,10 +472,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                "wait for calls to end, as the caps say they must. The slots a job frees are shared among the pools "
                "with calls due (operations.claim_batch). "
                "Bigger pools move that wait into the loopback servers, which stand for other machines: with the "
-               "pools at 1,000 (measured once, at the commit that made the job's cap 1,000), model calls were "
-               "claimed in 8 ms and tool calls in 24 ms at the median, but a visit then took 1.05 s against the "
-               "loopback site (a thread per request, in this benchmark's process, on the same two cores), and the "
-               "run took 12.4 s. " if held else "")
+               "pools at 1,000 (measured once, with the job's cap at 1,000 and lxml reading the pages), tool calls "
+               "were claimed in 24 ms at the median, but a visit then took 430 ms against the loopback site (a "
+               "thread per request, in this benchmark's process, on the same two cores) where it takes about 200 "
+               "ms with the pools at 400, and the run took 10.9 s, as long. " if held else "")
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
@@ -486,9 +486,9 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             f"steps queue: {tasks} of them take {tasks / busiest if busiest else 0:.1f} s to drain at that pace, so "
             "the median task of a wave waits about half that. The wait is the steps' queue, not the hand-off (a kick "
             "reaches an idle worker at once: its pusher listens for it). More step capacity moves the wait to the "
-            "calls: with a third worker process (measured once, --workers 3, at the commit that made the job's cap "
-            "1,000) the next step came in 118 ms at the median, tool calls waited 514 ms to be claimed, and the run "
-            "took 12.7 s.")
+            "calls: with a third worker process (measured once, --workers 3, with the job's cap at 1,000 and lxml "
+            "reading the pages) the next step came in 87 ms at the median, the waves of visits came sooner and "
+            "bunched at their pool's 400, tool calls waited 175 ms to be claimed, and the run took 11.2 s.")
     return report
 
 
