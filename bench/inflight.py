@@ -44,6 +44,7 @@ from django.conf import settings
 from django.db import transaction
 
 from tasks import actions, jobs
+from tasks.descriptors import calls_at_most
 from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import TERMINAL, TaskStatus
 from tests.fakes import http_site
@@ -215,7 +216,7 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     calls = [row[:-1] for row in rows]
     first_claim = min((started for *_, started, _, _ in calls), default=None)
     room = had_room([(row[0], row[4], row[5], row[6], row[8]) for row in rows],
-                    cap=settings.LONGHAUL_GATEWAY_INFLIGHT, pool_cap=POOL_CONCURRENCY)
+                    cap=job_cap(), pool_cap=POOL_CONCURRENCY)
     for op_id, task_id, step, kind, created, started, done, usage in calls:
         if created >= first_claim:  # a call staged before any worker ran waited for the cluster to start
             claim_wait[kind].append((started - created).total_seconds() * 1000)
@@ -242,6 +243,12 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
         f"tool call: {AROUND}": [whole - remote for whole, remote in zip(run["tool"], answer["tool"])],
         "last result of a step -> next step committed": next_step,
     }
+
+
+def job_cap() -> int:
+    """The calls a gateway job keeps out at most: LONGHAUL_GATEWAY_INFLIGHT, or fewer where the open-file limit,
+    which the workers inherit from this process, is too low for it (tasks/descriptors.py)."""
+    return calls_at_most(settings.LONGHAUL_GATEWAY_INFLIGHT)
 
 
 def had_room(calls: list[tuple], *, cap: int, pool_cap: int) -> set[int]:
@@ -316,7 +323,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         "inflight", "Model calls in flight per worker process",
         f"{tasks} research tasks against a loopback OpenAI-compatible fake answering after {delay:g} s, through a "
         f"qcluster of {workers} worker processes (a gateway job keeps up to LONGHAUL_GATEWAY_INFLIGHT "
-        f"{settings.LONGHAUL_GATEWAY_INFLIGHT} calls out; LONGHAUL_MODEL_CONCURRENCY and LONGHAUL_TOOL_CONCURRENCY "
+        f"{job_cap()} calls out; LONGHAUL_MODEL_CONCURRENCY and LONGHAUL_TOOL_CONCURRENCY "
         f"{POOL_CONCURRENCY}, so each of the model, search and visit pools takes up to {POOL_CONCURRENCY}); search "
         f"and visit against {SEARCHES[search]}; the fake's in-flight requests, "
         f"attributed to worker processes by socket owner, beside a bare asyncio + httpx2 client. The claim waits leave "
@@ -395,7 +402,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
     # Each call holds one of the job's slots from its claim until its outcome is recorded: summed, they say how
     # long the run must last at the least, its calls back to back in every slot.
     slot_seconds = sum(sum(waits[f"{kind} call: claimed -> result recorded"]) for kind in ("model", "tool")) / 1000
-    floor = slot_seconds / settings.LONGHAUL_GATEWAY_INFLIGHT
+    floor = slot_seconds / job_cap()
     per_minute = statuses.get(TaskStatus.SUCCEEDED, 0) / elapsed * 60
     first = per_pid_max(s for s in sampler.samples if s[0] <= first_wave_end)
     later = per_pid_max(s for s in sampler.samples if s[0] > first_wave_end)
@@ -425,7 +432,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         ["operations requested (model / tool)", f"{ops.get('model', 0)} / {ops.get('tool', 0)}"],
         ["mean model calls in flight while any was", f"{mean_busy:.0f}"],
         ["most calls out with gateway jobs at once (a job's cap: LONGHAUL_GATEWAY_INFLIGHT)",
-         f"{most_out} (cap {settings.LONGHAUL_GATEWAY_INFLIGHT})"],
+         f"{most_out} (cap {job_cap()})"],
         ["most calls requested and not yet claimed at once", most_waiting],
         ["calls' time out with a gateway job (claimed -> recorded), summed; over the job's cap",
          f"{slot_seconds:,.0f} s; {floor:.1f} s at the least, the run took {elapsed:.1f} s"],
@@ -467,7 +474,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             f"them than the job's cap and than their pool's) waited {h.fmt(with_room['model'], 0)} ms (model) and "
             f"{h.fmt(with_room['tool'], 0)} ms (tool) at the median: that is the gateway's own wait. "
             + (f"The others ({held}) were asked for while the job was full "
-               f"({settings.LONGHAUL_GATEWAY_INFLIGHT} calls out or waiting) or their pool was ({POOL_CONCURRENCY}): "
+               f"({job_cap()} calls out or waiting) or their pool was ({POOL_CONCURRENCY}): "
                f"a wave asks for more at once ({most_waiting} waited to be claimed at the busiest moment), so they "
                "wait for calls to end, as the caps say they must. The slots a job frees are shared among the pools "
                "with calls due (operations.claim_batch). "

@@ -5,7 +5,9 @@ idle connections open between calls (tasks/operations.py), so a job at its cap m
 in sockets, beside its database connections and the worker's own files. A soft limit below that (1,024 is
 common, under systemd among others) would fail calls with "too many open files" at the busiest moment. So a
 job first raises the process's soft limit as far as needed, within the hard limit (no privilege needed),
-and if that is still too low, keeps fewer calls out than its cap and says so once.
+and if that is still too low, keeps fewer calls out than its cap and says so once. The raised limit stays
+for the process and what it starts; descriptors past 1,024 are beyond select(), which nothing here uses
+(asyncio's loop and psycopg wait with epoll and poll).
 """
 
 from __future__ import annotations
@@ -42,8 +44,13 @@ def _raised_soft_limit(needed: int) -> int:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
         except (ValueError, OSError) as exc:  # a sandbox may refuse even a raise within the hard limit
-            log.warning("could not raise the open-file limit from %s to %s: %s", soft, target, exc)
+            _refused_once(soft, target, str(exc))
     return soft
+
+
+@functools.cache
+def _refused_once(soft: int, target: int, why: str) -> None:
+    log.warning("could not raise the open-file limit from %s to %s: %s", soft, target, why)
 
 
 @functools.cache

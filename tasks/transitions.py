@@ -573,18 +573,24 @@ def _move_telling_each(tasks: list[Task], to: TaskStatus, event: NewEvent, *, no
     as after _move. Returns the tasks moved, changed as their rows."""
     if not tasks:
         return []
+    assert connection.in_atomic_block, "a transition and its event commit together"
     assert to in HOLDS_SLOT and to not in TOLD, f"a move to {to} has consequences"
     assert all(task.status in HOLDS_SLOT for task in tasks), "a move that needs a slot has consequences"
+    assert len({task.pk for task in tasks}) == len(tasks), "a task moved twice would write two events on one seq"
     qn = connection.ops.quote_name
     table, seq = qn(Task._meta.db_table), qn("last_event_seq")
     values = {**fields, "status": to, "updated_at": now}
-    items, params = typed_sql.set_items(Task, values)  # none sealed: the tasks' tenants may differ
+    written_as = typed_sql.set_items(Task, values)  # none sealed: the tasks' tenants may differ
+    assert written_as is not None, f"values the ORM would write as SQL of its own: {values}"
+    items, params = written_as
     items += [f"{seq} = {seq} + 1", f"{qn('version')} = {table}.{qn('version')} + 1"]
-    read_as = ", ".join(["(CAST(%s AS bigint), CAST(%s AS text), CAST(%s AS integer))"] * len(tasks))
+    as_read = [Task._meta.pk, Task._meta.get_field("status"), Task._meta.get_field("version")]
+    read_as = ", ".join([f"({', '.join(map(typed_sql.typed_param, as_read))})"] * len(tasks))
     params += [value for task in tasks for value in (task.pk, task.status, task.version)]
     guard_sql, guard_params = _guard_sql(guard)
     params += guard_params
-    logged = {task.pk: unsaved(task, [event], last=1, status=to, at=now)[0] for task in tasks}
+    logged = {task.pk: unsaved(task, [NewEvent(event.kind, dict(event.data))], last=1, status=to, at=now)[0]
+              for task in tasks}
     fields_of_event = [field for field in _inserted_fields(TaskEvent) if field.attname != "seq"]
     rows = ", ".join([f"(CAST(%s AS bigint), {', '.join(map(typed_sql.typed_param, fields_of_event))})"] * len(tasks))
     for task in tasks:

@@ -4,8 +4,12 @@ Pages are read by lxml (libxml2's HTML parser, in C). Every visit of every task 
 holding the turn, in threads that share its event loop's interpreter lock; BeautifulSoup with Python's
 html.parser spent 110 ms of that lock on a 147 KB page (the Python docs' asyncio-task.html, here), lxml 2 ms.
 BeautifulSoup still reads the bytes' encoding (UnicodeDammit: the declared charset, a <meta> one, a BOM, then
-UTF-8 and Windows-1252) and the rare page lxml cannot read (nested deeper than libxml2 goes, a few thousand
-levels), at its old cost.
+UTF-8 and Windows-1252) and the rare page lxml cannot read whole (nested deeper than libxml2's 2,048 levels: it
+stops there and keeps what it read), at its old cost.
+
+The two read a well-formed page alike (tests/unit/test_html_text.py). Where a page leans on the parser to close
+an element (a <div> inside a <p>), lxml closes it where a browser does and html.parser did not: what a
+reader sees is lxml's reading.
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ DROP_TAGS = ("script", "style", "nav", "noscript", "template", "svg", "canvas", 
 BLOCK_TAGS = ("p", "div", "section", "article", "main", "header", "footer", "aside", "li", "ul", "ol", "dl",
               "dt", "dd", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "blockquote", "table", "tr", "td", "th",
               "figcaption", "br", "hr")
-_PARSER = lxml.html.HTMLParser(encoding="utf-8", huge_tree=True)  # the bytes it reads: UnicodeDammit's, in UTF-8
 
 
 def html_to_text(content: bytes, charset: str | None) -> tuple[str, str]:
@@ -32,34 +35,36 @@ def html_to_text(content: bytes, charset: str | None) -> tuple[str, str]:
     markup = UnicodeDammit(content, [charset] if charset else [], is_html=True).unicode_markup
     if markup is None or not markup.strip():
         return "", ""
+    # A parser a page (its error log is the page's), reading UnicodeDammit's text as UTF-8 bytes.
+    parser = lxml.html.HTMLParser(encoding="utf-8", huge_tree=True)
     try:
-        root = lxml.html.document_fromstring(markup.encode("utf-8"), parser=_PARSER)
+        root = lxml.html.document_fromstring(markup.encode("utf-8"), parser=parser)
     except (lxml.etree.LxmlError, ValueError):
         root = None
-    read = _read_tree(root) if root is not None else None
+    whole = not any(error.level == lxml.etree.ErrorLevels.FATAL for error in parser.error_log)
+    read = _read_tree(root) if root is not None and whole else None
     if read is None:
         read = _read_soup(BeautifulSoup(markup, "html.parser"))
     title, text = read
     return title or next(iter(text.splitlines()), "")[:200], text
 
 
-def _read_tree(root: Any) -> tuple[str, str] | None:
-    """(title, text) from lxml's tree; None when it holds no text at all, as when libxml2 gave up on the page."""
-    title_tag = root.find(".//title")
-    title = " ".join(title_tag.text_content().split()) if title_tag is not None else ""
+def _read_tree(root: Any) -> tuple[str, str]:
+    """(title, text) from lxml's tree."""
     # Text a reader never sees is where injected instructions like to hide. (A dropped element's tail, the
     # text after it, stays.)
     lxml.etree.strip_elements(root, lxml.etree.Comment, lxml.etree.ProcessingInstruction, with_tail=False)
+    title_tag = root.find(".//title")
+    title = " ".join(" ".join(title_tag.itertext()).split()) if title_tag is not None else ""
+    if _hidden(root):  # the whole page (the root has no parent to be dropped from)
+        return title, ""
     for tag in [*root.iter(*DROP_TAGS), *(tag for tag in root.iter(lxml.etree.Element) if _hidden(tag))]:
         if tag.getparent() is not None:
             tag.drop_tree()
     for tag in root.iter(*BLOCK_TAGS):
         tag.text = "\n" + (tag.text or "")
         tag.tail = "\n" + (tag.tail or "")
-    text = _lines(root.text_content())
-    if not text and not title:
-        return None
-    return title, text
+    return title, _lines(root.text_content())
 
 
 def _read_soup(soup: BeautifulSoup) -> tuple[str, str]:

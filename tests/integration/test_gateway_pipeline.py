@@ -126,6 +126,18 @@ def test_a_batch_sends_as_many_statements_for_twenty_outcomes_as_for_one(acme, a
     assert Operation.objects.get(pk=ops[21].pk).status == Op.STARTED
 
 
+def record_one_then_ten(one: Operation, ten: list[Operation]) -> tuple[list[str], list[str]]:
+    """The statements (their start) sent to record the outcome of `one` alone, then those of `ten` together,
+    each the last call of its task's step: every task gets its kick."""
+    OrmQ.objects.all().delete()
+    with CaptureQueriesContext(connection) as for_one:
+        assert operations.record_many([outcome(one)], owner=OWNER) == [True]
+    with CaptureQueriesContext(connection) as for_ten:
+        assert operations.record_many([outcome(op) for op in ten], owner=OWNER) == [True] * 10
+    assert advance_kicks() == sorted(op.task_id for op in [one, *ten])
+    return [q["sql"][:80] for q in for_one], [q["sql"][:80] for q in for_ten]
+
+
 @one_update_a_batch
 @pytest.mark.django_db(transaction=True)
 def test_a_batch_that_ends_ten_steps_sends_as_many_statements_as_one_that_ends_one(acme, alice):
@@ -137,15 +149,10 @@ def test_a_batch_that_ends_ten_steps_sends_as_many_statements_as_one_that_ends_o
     one = research_waiting_for_the_model()
     ten = [research_waiting_for_the_model() for _ in range(10)]
     before = dict(Task.objects.values_list("pk", "version"))
-    OrmQ.objects.all().delete()
 
-    with CaptureQueriesContext(connection) as for_one:
-        assert operations.record_many([outcome(one)], owner=OWNER) == [True]
-    with CaptureQueriesContext(connection) as for_ten:
-        assert operations.record_many([outcome(op) for op in ten], owner=OWNER) == [True] * 10
+    for_one, for_ten = record_one_then_ten(one, ten)
 
-    assert len(for_ten) == len(for_one), [q["sql"][:80] for q in for_ten]
-    assert advance_kicks() == sorted(op.task_id for op in [one, *ten])
+    assert len(for_ten) == len(for_one), for_ten
     moved = Task.objects.filter(pk__in=[op.task_id for op in [one, *ten]])
     assert {(t.status, t.waiting_reason, t.next_run_at is not None, t.version - before[t.pk]) for t in moved} == {
         (TaskStatus.RUNNING, "", True, 1)}, "each made due as operations_done makes it, its version bumped once"
@@ -158,22 +165,17 @@ def test_a_batch_that_ends_ten_steps_waiting_for_tools_sends_as_many_statements_
     one = waiting(acme, alice)[1][0]
     ten = [waiting(*((acme, alice) if n % 2 else (globex, charlie)))[1][0] for n in range(10)]
     seqs = dict(Task.objects.values_list("pk", "last_event_seq"))
-    OrmQ.objects.all().delete()
 
-    with CaptureQueriesContext(connection) as for_one:
-        assert operations.record_many([outcome(one)], owner=OWNER) == [True]
-    with CaptureQueriesContext(connection) as for_ten:
-        assert operations.record_many([outcome(op) for op in ten], owner=OWNER) == [True] * 10
+    for_one, for_ten = record_one_then_ten(one, ten)
 
-    assert len(for_ten) == len(for_one), [q["sql"][:80] for q in for_ten]
-    assert advance_kicks() == sorted(op.task_id for op in [one, *ten])
+    assert len(for_ten) == len(for_one), for_ten
     for task in Task.objects.filter(pk__in=[op.task_id for op in [one, *ten]]):
         assert (task.status, task.waiting_reason, task.next_run_at is not None, task.last_event_seq) == (
             TaskStatus.RUNNING, "", True, seqs[task.pk] + 1), "made due, its seq reserved"
         told = [(e.seq, e.kind, e.status, e.tenant_id, e.data) for e in TaskEvent.objects.filter(
             task_id=task.pk, seq__gt=seqs[task.pk])]
         assert told == [(seqs[task.pk] + 1, "tool_results_ready", TaskStatus.RUNNING, task.tenant_id, {})], (
-            "its event, sealed for its own tenant")
+            "its event, of its own tenant, on the seq its row reserved")
 
 
 @pytest.mark.django_db(transaction=True)
@@ -184,15 +186,18 @@ def test_the_steps_a_batch_makes_due_move_as_operations_done_moves_each(acme, al
         return Task.objects.get(pk=task.pk)
 
     quiet, other_quiet, tools = running(), running("tool"), waiting(acme, alice)[0]
-    moved_meanwhile, held = running(), running(lease_owner="worker:9")
-    Task.objects.filter(pk=moved_meanwhile.pk).update(version=F("version") + 1)  # read before another change
+    moved_meanwhile, held, tools_meanwhile = running(), running(lease_owner="worker:9"), waiting(acme, alice)[0]
+    for task in (moved_meanwhile, tools_meanwhile):
+        Task.objects.filter(pk=task.pk).update(version=F("version") + 1)  # read before another change
+    seq_before = tools_meanwhile.last_event_seq
     alone = running()
     running_version = alone.version
     assert {quiet.version, other_quiet.version} == {running_version}
     now = clock.now()
 
     with transaction.atomic():
-        moved = transitions.operations_done_many([quiet, other_quiet, tools, moved_meanwhile, held], now=now)
+        moved = transitions.operations_done_many([quiet, other_quiet, tools, moved_meanwhile, held, tools_meanwhile],
+                                                 now=now)
         assert transitions.operations_done(alone, now=now)
 
     assert sorted(t.pk for t in moved) == sorted([quiet.pk, other_quiet.pk, tools.pk])
@@ -207,6 +212,9 @@ def test_the_steps_a_batch_makes_due_move_as_operations_done_moves_each(acme, al
     assert not TaskEvent.objects.filter(task_id__in=[quiet.pk, other_quiet.pk]).exists()
     assert rows[moved_meanwhile.pk][0:3] == (TaskStatus.RUNNING, "model", None), "changed since read: not moved"
     assert rows[held.pk][0:3] == (TaskStatus.RUNNING, "model", None), "held by a worker: not moved"
+    assert (rows[tools_meanwhile.pk][0], rows[tools_meanwhile.pk][6]) == (TaskStatus.WAITING_TOOL, seq_before), (
+        "changed since read: not moved, no seq taken")
+    assert not TaskEvent.objects.filter(task_id=tools_meanwhile.pk, seq__gt=seq_before).exists()
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,5 +1,5 @@
 """A gateway job's cap on calls out against the process's open-file limit (tasks/descriptors.py), each case
-in a fresh interpreter whose limits are set before it starts: lowering a hard limit cannot be undone."""
+in a fresh interpreter that sets its limits first: lowering a hard limit cannot be undone."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Prints the calls a job may keep out under a cap of 1,000, and the soft limit afterwards; the warning goes to stderr.
+# Sets the limits (soft, hard) given as arguments, then prints the calls a job may keep out under a cap of 1,000
+# (asked twice) and the soft limit afterwards; the warning goes to stderr.
 PROBE = """
-import json, logging, resource
+import json, logging, resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), int(sys.argv[2])))
 logging.basicConfig(level=logging.WARNING)
 from tasks.descriptors import calls_at_most
 first, again = calls_at_most(1000), calls_at_most(1000)
@@ -24,11 +26,8 @@ print(json.dumps([first, again, resource.getrlimit(resource.RLIMIT_NOFILE)[0]]))
 
 
 def probe(soft: int, hard: int) -> tuple[int, int, int, str]:
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-    done = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          preexec_fn=limit, check=True)
+    done = subprocess.run([sys.executable, "-c", PROBE, str(soft), str(hard)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=True)
     first, again, soft_after = json.loads(done.stdout)
     assert first == again
     return first, soft_after, done.stderr.count("LONGHAUL_GATEWAY_INFLIGHT is 1000"), done.stderr
