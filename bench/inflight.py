@@ -211,13 +211,11 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     run: dict[str, list[float]] = {"model": [], "tool": []}
     answer: dict[str, list[float]] = {"model": [], "tool": []}  # the remote part, as the gateway timed it
     last_done: dict[tuple[int, int], float] = {}
-    rows = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
+    calls = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
         "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage", "pool"))
-    calls = [row[:-1] for row in rows]
-    first_claim = min((started for *_, started, _, _ in calls), default=None)
-    room = had_room([(row[0], row[4], row[5], row[6], row[8]) for row in rows],
-                    cap=job_cap(), pool_cap=POOL_CONCURRENCY)
-    for op_id, task_id, step, kind, created, started, done, usage in calls:
+    first_claim = min((started for *_, started, _, _, _ in calls), default=None)
+    room = had_room(calls, cap=job_cap(), pool_cap=POOL_CONCURRENCY)
+    for op_id, task_id, step, kind, created, started, done, usage, _ in calls:
         if created >= first_claim:  # a call staged before any worker ran waited for the cluster to start
             claim_wait[kind].append((started - created).total_seconds() * 1000)
             if op_id in room:
@@ -256,13 +254,12 @@ def had_room(calls: list[tuple], *, cap: int, pool_cap: int) -> set[int]:
     (LONGHAUL_GATEWAY_INFLIGHT) out or asked for earlier and still waiting, and fewer than `pool_cap` of their
     own pool's (POOL_CONCURRENCY). The others waited for calls to end, as the caps say they must; these
     waited for the gateway alone. (A task's cap, 8 calls, which no research step asks for more than, never
-    binds.) `calls`: (id, created, started, finished, pool)."""
+    binds.) `calls`: pipeline_waits' rows."""
     moves: list[tuple[float, int, int, int, str]] = []  # (when, order among moves at one time, op, what, pool)
-    for op_id, created, started, done, pool in calls:
+    for op_id, _, _, _, created, started, done, _, pool in calls:
         moves += [(created.timestamp(), 1, op_id, 0, pool), (started.timestamp(), 0, op_id, 1, pool),
                   (done.timestamp(), 0, op_id, 2, pool)]
     busy, busy_in, room = 0, Counter[str](), set()  # calls out or waiting: in all, in each pool
-
     for _, _, op_id, what, pool in sorted(moves):
         if what == 0:
             if busy < cap and busy_in[pool] < pool_cap:

@@ -9,7 +9,7 @@ a race gets False and must re-read, never overwrite.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -557,6 +557,11 @@ def _move_quietly(tasks: list[Task], to: TaskStatus, *, now: datetime, guard: Q,
     with connection.cursor() as cursor:
         cursor.execute(f"{sql} RETURNING {connection.ops.quote_name(Task._meta.pk.column)}", params)
         won = {row[0] for row in cursor.fetchall()}
+    return _as_moved(tasks, won, values)
+
+
+def _as_moved(tasks: list[Task], won: Collection[int], values: dict[str, Any]) -> list[Task]:
+    """The tasks whose rows moved (`won`: their primary keys), changed as their rows: `values`, the version bumped."""
     moved = [task for task in tasks if task.pk in won]
     for task in moved:
         for name, value in values.items():
@@ -608,11 +613,8 @@ def _move_telling_each(tasks: list[Task], to: TaskStatus, event: NewEvent, *, no
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         won = dict(cursor.fetchall())
-    moved = [task for task in tasks if task.pk in won]
+    moved = _as_moved(tasks, won, values)
     for task in moved:
-        for name, value in values.items():
-            setattr(task, name, value)
-        task.version += 1
         logged[task.pk].seq = won[task.pk]
         written(task, [logged[task.pk]], last=won[task.pk])
     return moved
