@@ -14,7 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Field, Q, QuerySet
+from django.db.models import Field, JSONField, Q, QuerySet
 from django.db.models.sql import Query
 
 from tasks import broker, prepared, sealed, transitions
@@ -76,13 +76,14 @@ class Waiting:
 @dataclass(frozen=True)
 class Resume:
     """What a step resumed from the database reads first, read by the statement that claimed its task
-    (Task.resume): the task's latest checkpoint, and whether the step before asked for any call (when
-    it did not, there are no outcomes to read and nothing to wait for). Beside them, what else waited for
-    a worker at the claim (kicks.waiting's answer) and when it was asked (time.monotonic() as the claim was
-    sent): a short step reads it instead of asking again before its commit (tasks/runner.py)."""
+    (Task.resume): the task's latest checkpoint, and the calls the step before asked a gateway job for, as
+    rows of CALL_FIELDS in request order (none when it asked for none: nothing to read, nothing to wait
+    for; operations.read_outcomes reads them). Beside them, what else waited for a worker at the claim
+    (kicks.waiting's answer) and when it was asked (time.monotonic() as the claim was sent): a short step
+    reads it instead of asking again before its commit (tasks/runner.py)."""
 
     checkpoint: Checkpoint | None
-    calls_asked: bool
+    calls: tuple[tuple[Any, ...], ...] = ()
     waiting: Waiting | None = None
     read_at: float = 0.0
 
@@ -98,10 +99,10 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     if row is None:
         return None
     picked = _task_of(row)
-    claimed, *checkpoint, calls_asked, jobs, steps = row[len(_TASK_FIELDS):]
+    claimed, *checkpoint, calls, jobs, steps = row[len(_TASK_FIELDS):]
     if claimed:
         sealed.remember_tenant(Task, picked.pk, picked.tenant_id)  # the checkpoint's check of its tenant reads it
-        picked.resume = _resume_of(picked, checkpoint, calls_asked=calls_asked,
+        picked.resume = _resume_of(picked, checkpoint, calls=calls or (),
                                    waiting=Waiting(jobs=jobs, steps=steps), read_at=asked_at)
         return picked
     # A retry or a takeover: transitions.claim writes its event.
@@ -120,8 +121,10 @@ def claim_statement(*, owner: str, now: datetime, task_id: int | None = None) ->
 # (skipping rows another transaction holds: any other due task will do), or the task asked for (waiting for it);
 # when nobody held it and it waits for no retry (no takeover, no retry: no event to write) it is claimed as
 # transitions.claim would, its first claim also recording in its admission record when it started, and returned
-# claimed, beside what its step reads first (its latest checkpoint, and whether the step before asked for
-# calls), and what else waits for a worker (kicks.waiting's two questions, the claimed task left out);
+# claimed, beside what its step reads first (its latest checkpoint, and the calls the step before asked a gateway
+# job for, as operations.outcomes_and_wait reads them: a JSON array of CALL_FIELDS, its sealed and JSON columns as
+# their text, which the fields' converters then open), and what else waits for a worker (kicks.waiting's two
+# questions, the claimed task left out);
 # otherwise it is returned as it is, for the full claim. The task's columns are named, in the model's order
 # (tasks/prepared.py says why not `*`).
 _CLAIM_NEXT = """
@@ -142,7 +145,9 @@ WITH picked AS (
     WHERE a.task_id = taken.id AND a.started_at IS NULL AND taken.current_step = 0 AND taken.attempts = 1
 )
 SELECT {columns_of_taken}, true, {columns_of_cp},
-    EXISTS (SELECT 1 FROM {operation} o WHERE o.task_id = taken.id AND o.step = taken.current_step - 1),
+    (SELECT json_agg(json_build_array({columns_of_o}) ORDER BY o.n) FROM {operation} o
+     WHERE o.task_id = taken.id AND o.step = taken.current_step - 1 AND o.mode = {gateway}
+         AND NOT starts_with(o.key, taken.id || ':' || (taken.current_step - 1) || ':a')),
     EXISTS ({jobs_waiting}),
     EXISTS (SELECT 1 FROM {task} d WHERE {due} AND d.id <> taken.id LIMIT 1)
 FROM taken LEFT JOIN LATERAL (
@@ -157,6 +162,9 @@ _TASK_NAMES = [field.attname for field in _TASK_FIELDS]
 # What a step reads of its checkpoint (task_id is the claimed task's own).
 _CHECKPOINT_FIELDS = tuple(Checkpoint._meta.get_field(name)
                            for name in ("id", "step", "fencing_token", "state", "schema_version", "at"))
+# What a step reads of each call the step before asked for (operations.read_outcomes takes rows of these).
+CALL_FIELDS = ("key", "name", "args", "status", "result", "error_class", "error_message", "usage")
+_CALL_FIELDS = tuple(Operation._meta.get_field(name) for name in CALL_FIELDS)
 
 
 @lru_cache(maxsize=2)
@@ -167,6 +175,9 @@ def _claim_next_sql(*, one: bool) -> str:
     return _CLAIM_NEXT.format(task=Task._meta.db_table, checkpoint=Checkpoint._meta.db_table,
                               admission=AdmissionRecord._meta.db_table,
                               operation=Operation._meta.db_table, running=f"'{TaskStatus.RUNNING.value}'",
+                              gateway=f"'{Operation.Mode.GATEWAY.value}'", columns_of_o=", ".join(
+                                  f"o.{connection.ops.quote_name(field.column)}"
+                                  + ("::text" if isinstance(field, JSONField) else "") for field in _CALL_FIELDS),
                               jobs_waiting=broker.jobs_waiting_sql(postgresql=True),
                               due=DUE_WHERE, only="AND id = %s" if one else "",
                               skip_locked="" if one else "SKIP LOCKED", columns_of_t=columns("t"),
@@ -195,19 +206,20 @@ def _converters(model: type, fields: tuple[Field, ...]) -> dict[int, tuple[list,
     return compiler.get_converters([field.get_col(model._meta.db_table) for field in fields])
 
 
-def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls_asked: bool, waiting: Waiting,
+def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls: Sequence[Sequence[Any]], waiting: Waiting,
                read_at: float) -> Resume:
-    """What the claim read beside the row: the checkpoint's columns (all NULL when it has none yet), through
-    the fields' converters (its sealed state opened as a read would)."""
+    """What the claim read beside the row: the checkpoint's columns (all NULL when it has none yet) and the
+    calls' rows, through the fields' converters (sealed state, arguments and results opened as a read would)."""
+    calls = tuple(tuple(_converted(Operation, _CALL_FIELDS, call)) for call in calls)
     if checkpoint[0] is None:
-        return Resume(checkpoint=None, calls_asked=calls_asked, waiting=waiting, read_at=read_at)
+        return Resume(checkpoint=None, calls=calls, waiting=waiting, read_at=read_at)
     values = dict(zip((field.attname for field in _CHECKPOINT_FIELDS),
                       _converted(Checkpoint, _CHECKPOINT_FIELDS, checkpoint), strict=True))
     values["task_id"] = task.pk
     # In the model's column order, as from_db takes them (a column added to Checkpoint fails here, loudly).
     names = [field.attname for field in Checkpoint._meta.concrete_fields]
     return Resume(checkpoint=Checkpoint.from_db(connection.alias, names, [values[name] for name in names]),
-                  calls_asked=calls_asked, waiting=waiting, read_at=read_at)
+                  calls=calls, waiting=waiting, read_at=read_at)
 
 
 def _claim(rows: QuerySet[Task], *, owner: str, now: datetime, wait: bool = False) -> Task | None:

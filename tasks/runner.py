@@ -154,10 +154,10 @@ def run_step(task: Task, *, turn: Turn, carried: dict | None = None) -> tuple[Ta
     if carried is not None:
         state = carried
     else:
-        if task.current_step > 0 and resume is not None and not resume.calls_asked:
-            outcomes = []  # the step before asked for no call: nothing to read, nothing to wait for
-        elif task.current_step > 0:
-            outcomes, waits = operations.outcomes_and_wait(task.pk, task.current_step - 1)
+        if task.current_step > 0:
+            # The claim read the calls of the step before (none: it asked for none), or they are read now.
+            outcomes, waits = (operations.read_outcomes(resume.calls) if resume is not None
+                               else operations.outcomes_and_wait(task.pk, task.current_step - 1))
             if waits:
                 if _wait_again(task, token):
                     # Resumed (after a pause, say) while calls of the last step were still out: it waits for them.

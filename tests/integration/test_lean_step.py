@@ -31,10 +31,10 @@ pytestmark = pytest.mark.django_db(transaction=True)  # real BEGIN and COMMIT, n
 # checkpoint and the events); SQLite's is a transaction: BEGIN, the UPDATE, the checkpoint and the events with
 # a statement each, COMMIT.
 IN_PLACE_STATEMENTS = {"postgresql": 2, "sqlite": 6}
-# A research step after a kick: the claim (with the checkpoint), the last step's calls; the fenced UPDATE, which
+# A research step after a kick: the claim (with the checkpoint and the last step's calls); the fenced UPDATE, which
 # writes the checkpoint, the events and the calls too (while none of their pools is paused) and commits alone;
 # the gateway kick, after it; the turn's closing look.
-RESUMED_WITH_CALLS_STATEMENTS = 5
+RESUMED_WITH_CALLS_STATEMENTS = 4
 MOVES_ON = Continue({"done": 1, "of": 3})
 ASKS_FOR_CALLS = Continue({"done": 1, "of": 3}, requests=[OpRequest(kind="tool", name="search",
                                                                      args={"query": "asyncio cancellation"})])
@@ -119,7 +119,7 @@ def test_the_claim_brings_the_latest_checkpoint_as_a_read_of_it_would(acme, alic
     assert (brought.pk, brought.step, brought.fencing_token, brought.schema_version, brought.at) == (
         latest.pk, latest.step, latest.fencing_token, latest.schema_version, latest.at)
     assert brought.state == latest.state == {"done": 2, "of": 4}
-    assert claimed.resume.calls_asked is False
+    assert claimed.resume.calls == ()
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
@@ -257,7 +257,7 @@ def submit_research(tenant, user) -> Task:
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="counts PostgreSQL's statements (one-statement claim)")
-def test_a_step_resumed_after_its_calls_reads_them_once_and_asks_for_more_without_reading_the_row(
+def test_a_step_resumed_after_its_calls_reads_them_with_its_claim_and_asks_for_more_without_reading_the_row(
         acme, alice, settings):
     settings.LONGHAUL_STEP_SLICE_MS = 0
     task = submit_research(acme, alice)
@@ -279,8 +279,8 @@ def test_a_step_resumed_after_its_calls_reads_them_once_and_asks_for_more_withou
     for table in ("tasks_checkpoint", "tasks_taskevent", "tasks_operation"):
         assert f'INSERT INTO "{table}"' in commit, f"the statement writes {table} too: {commit}"
     before_commit = statements[:statements.index(commit)]
-    assert sum('FROM "tasks_operation"' in sql for sql in before_commit) == 1, (
-        f"the last step's calls are read once, for the wait check and the driver: {before_commit}")
+    assert len(before_commit) == 1 and "tasks_operation o" in before_commit[0], (
+        f"the claim reads the last step's calls, for the wait check and the driver: {before_commit}")
     assert not [sql for sql in before_commit[1:] if sql.startswith("SELECT") and 'FROM "tasks_task"' in sql], (
         f"the step's commit is a fenced UPDATE, with no read of the row first: {before_commit}")
     assert not [sql for sql in statements if "COUNT(" in sql], f"a new step's calls are numbered from 0: {statements}"
@@ -289,6 +289,52 @@ def test_a_step_resumed_after_its_calls_reads_them_once_and_asks_for_more_withou
         list(range(Operation.objects.filter(task=task, step=asked_at).count())))
     assert Checkpoint.objects.filter(task=task, step=task.current_step).exists()
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_the_claim_brings_the_last_steps_calls_as_the_runners_own_read_of_them_would(acme, alice, settings):
+    settings.LONGHAUL_ENCRYPT_AT_REST = True
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+    task = submit_research(acme, alice)
+    jobs.advance(task.pk)  # the plan: one model call
+    operations.run_due(run_for=5)
+    jobs.advance(task.pk)  # the searches
+    task.refresh_from_db()
+    step = task.current_step - 1
+    searches = list(Operation.objects.filter(task=task, step=step).order_by("n"))
+    assert len(searches) >= 2
+    # Beside the searches: one finished, one failed; a call of the task's end and a local effect, which are no
+    # step's outcomes; a watch, which the task does not wait for.
+    Operation.objects.filter(pk=searches[0].pk).update(status="succeeded", result=sealed.Sealed(
+        acme.pk, {"results": [{"url": "https://docs.python.org/3/", "title": "Python"}]}))
+    Operation.objects.filter(pk=searches[1].pk).update(status="failed", error_class="transient",
+                                                       error_message="the search API timed out")
+    extra = {"a0": "gateway", "e0": "local", f"{operations.WATCH_PREFIX}0": "gateway"}
+    for n, (suffix, mode) in enumerate(extra.items(), start=len(searches)):
+        Operation.objects.create(task=task, key=f"{task.pk}:{step}:{suffix}", step=step, n=n, kind="tool",
+                                 name="search", mode=mode, args_digest="-", fencing_token=task.fencing_token,
+                                 args={"query": suffix}, status="pending")
+    Operation.objects.filter(pk__in=[op.pk for op in searches[2:]]).update(status="succeeded")
+    Task.objects.filter(pk=task.pk).update(status=TaskStatus.RUNNING, waiting_reason="", lease_owner="",
+                                           next_run_at=clock.now())
+    stored = Operation.objects.filter(pk=searches[0].pk).values_list("result", flat=True).query
+    with connection.cursor() as cursor:
+        cursor.execute(*stored.sql_with_params())
+        assert cursor.fetchone()[0].startswith('{"lh_sealed"'), "the result is stored sealed"
+
+    claimed = leases.claim_next(owner="worker-b", now=clock.now())
+
+    assert claimed is not None and claimed.pk == task.pk and claimed.resume is not None
+    brought = operations.read_outcomes(claimed.resume.calls)
+    assert brought == operations.outcomes_and_wait(task.pk, step)
+    outcomes, waits = brought
+    assert [call[0].rpartition(":")[2] for call in claimed.resume.calls] == (
+        [op.key.rpartition(":")[2] for op in searches] + [f"{operations.WATCH_PREFIX}0"])
+    assert outcomes[0].ok and outcomes[0].result["results"][0]["title"] == "Python"  # opened
+    assert outcomes[0].args == searches[0].args and outcomes[0].usage == {}
+    assert (outcomes[1].ok, outcomes[1].finished, outcomes[1].error_message) == (
+        False, True, "the search API timed out")
+    assert not waits, "the watch still out is not waited for"
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
@@ -310,7 +356,7 @@ def test_the_claimed_task_is_its_row_as_a_read_of_it_would_be(acme, alice, setti
     brought = claimed.resume.checkpoint
     assert [getattr(brought, f.attname) for f in Checkpoint._meta.concrete_fields] == [
         getattr(latest, f.attname) for f in Checkpoint._meta.concrete_fields]
-    assert claimed.resume.calls_asked is False
+    assert claimed.resume.calls == ()
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
@@ -327,7 +373,7 @@ def test_a_tasks_first_claim_is_one_statement_that_records_when_it_started(acme,
     assert claimed is not None and claimed.pk == task.pk
     statements = [query["sql"] for query in queries.captured_queries]
     assert len(statements) == 1, f"a first claim is one statement: {statements}"
-    assert (claimed.resume.checkpoint, claimed.resume.calls_asked) == (None, False)
+    assert (claimed.resume.checkpoint, claimed.resume.calls) == (None, ())
     assert claimed.resume.waiting == leases.Waiting(jobs=False, steps=False), "nothing else waits"
     read = Task.objects.get(pk=task.pk)
     assert (read.lease_owner, read.fencing_token, read.attempts) == ("worker-a", task.fencing_token + 1, 1)

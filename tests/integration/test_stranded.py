@@ -59,9 +59,8 @@ def test_a_task_stopped_by_its_model_call_budget_resumes_with_more_and_succeeds(
     assert steps == list(range(1, task.current_step + 1))
 
 
-def test_a_resumed_task_whose_calls_finished_during_its_claim_is_due_again(acme, alice, monkeypatch):
-    """Pause a task waiting on a call, resume it, and let the call finish between the claim
-    (which clears waiting_reason) and the runner's wait: the task must still move on."""
+def resumed_while_its_call_runs(acme, alice) -> tuple[Task, Operation]:
+    """A research task whose plan call a gateway job has claimed, paused and resumed: due, its call out."""
     task = submit_research(acme, alice)
     jobs.advance(task.pk)  # step 0 requests the plan: the task waits for the model
     task.refresh_from_db()
@@ -76,11 +75,38 @@ def test_a_resumed_task_whose_calls_finished_during_its_claim_is_due_again(acme,
     actions.resume(task, user=alice)
     task.refresh_from_db()
     assert task.status == S.RUNNING and task.next_run_at is not None
+    return task, op
 
-    # A worker claims the resumed task; the call finishes between the runner's look at the operations
-    # (still running) and its wait for them: the competing write, run between the read and the write.
+
+def moves_on(task: Task) -> None:
+    task.refresh_from_db()
+    due = task.next_run_at is not None and task.lease_owner == ""
+    assert due or task.current_step > 1, (task.status, task.waiting_reason, task.next_run_at, task.lease_owner)
+    task = run_to_end(task)
+    assert task.status == S.SUCCEEDED, (task.status, task.error_message)
+
+
+def test_a_resumed_task_whose_calls_finished_after_its_claim_read_them_is_due_again(acme, alice):
+    """The call finishes between the claim, which read it still running (and cleared waiting_reason), and
+    the runner's wait for it: the task must still move on."""
+    task, op = resumed_while_its_call_runs(acme, alice)
     held = leases.claim(task.pk, owner="worker:1", now=clock.now())
     assert held is not None
+    if held.resume is not None:  # PostgreSQL: the claim read the call
+        assert [o.finished for o in operations.read_outcomes(held.resume.calls)[0]] == [False]
+    assert finish_call(op)  # the competing write, between the read and the wait
+
+    runner.run(held, owner="worker:1")
+
+    moves_on(task)
+
+
+def test_a_resumed_task_whose_calls_finished_after_the_runner_read_them_is_due_again(acme, alice, monkeypatch):
+    """As above, where the runner reads the calls itself (a claim that brought none: SQLite's, a takeover)."""
+    task, op = resumed_while_its_call_runs(acme, alice)
+    held = leases.claim(task.pk, owner="worker:1", now=clock.now())
+    assert held is not None
+    held.resume = None
     original = operations.outcomes_and_wait
     raced = []
 
@@ -95,11 +121,7 @@ def test_a_resumed_task_whose_calls_finished_during_its_claim_is_due_again(acme,
     monkeypatch.setattr(operations, "outcomes_and_wait", original)
     assert raced == [True]
 
-    task.refresh_from_db()
-    due = task.next_run_at is not None and task.lease_owner == ""
-    assert due or task.current_step > 1, (task.status, task.waiting_reason, task.next_run_at, task.lease_owner)
-    task = run_to_end(task)
-    assert task.status == S.SUCCEEDED, (task.status, task.error_message)
+    moves_on(task)
 
 
 # --- the notification outbox and chat runs ------------------------------------------
