@@ -11,11 +11,19 @@ between transactions needs protocol-level prepared statements (PgBouncer 1.21 an
 Statements prepared here name their columns rather than select `*`, so a column added by a
 migration leaves their results as they were. A migration that changes the type of a column
 they return makes PostgreSQL refuse the plan it kept: `fetchone` then starts a new connection.
+
+They are written with Django's %s placeholders and sent with PostgreSQL's own ($1, $2, ...), numbered
+once per statement (`numbered`): psycopg reads the text of a statement for its placeholders at every
+execute once it is longer than 4,096 bytes or has more than 50 parameters, and the claim (6.8 kB) and
+a step's commit are.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 import psycopg
@@ -28,16 +36,42 @@ _ONLY_WHEN_ASKED = 2**31 - 1
 _RESULT_CHANGED = "cached plan must not change result type"
 
 
-class _PreparingCursor(psycopg.Cursor):
-    """Server-side binding (a prepared statement needs it), prepared at its first execute."""
+class _PreparingCursor(psycopg.RawCursor):
+    """Server-side binding (a prepared statement needs it), prepared at its first execute; the statement is
+    sent as `numbered` writes it, which psycopg's raw cursor passes on as it is."""
 
     def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                 binary: bool | None = None) -> _PreparingCursor:
         threshold, self.connection.prepare_threshold = self.connection.prepare_threshold, _ONLY_WHEN_ASKED
+        sql, placeholders = numbered(query)
+        if len(params or ()) != placeholders:
+            # psycopg's raw cursor counts nothing, and PostgreSQL takes typed values past the last one.
+            raise psycopg.ProgrammingError(f"the statement has {placeholders} placeholders but "
+                                           f"{len(params or ())} parameters were passed")
         try:
-            return super().execute(query, params, prepare=True, binary=binary)
+            return super().execute(sql, params, prepare=True, binary=binary)
         finally:
             self.connection.prepare_threshold = threshold
+
+
+_PLACEHOLDER = re.compile(r"%(.)", re.DOTALL)
+
+
+@lru_cache(maxsize=128)  # the claims, the probe and the shapes of a step's commit (its rows' counts)
+def numbered(sql: str) -> tuple[str, int]:
+    """`sql`, written with Django's %s placeholders (and %% for a %), with PostgreSQL's $1, $2, ... instead;
+    and how many placeholders it has."""
+    count = itertools.count(1)
+
+    def placeholder(found: re.Match[str]) -> str:
+        if found[1] == "s":
+            return f"${next(count)}"
+        if found[1] == "%":
+            return "%"
+        raise ValueError(f"a prepared statement takes %s placeholders alone, not %{found[1]}: {sql[:200]}")
+
+    text = _PLACEHOLDER.sub(placeholder, sql)
+    return text, next(count) - 1
 
 
 class _LoggedCursor(CursorDebugWrapper):

@@ -17,7 +17,20 @@ from django.db import DataError, close_old_connections, connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 
-from tasks import actions, clock, events, jobs, kicks, leases, operations, requested, runner, sealed, transitions
+from tasks import (
+    actions,
+    clock,
+    events,
+    jobs,
+    kicks,
+    leases,
+    operations,
+    prepared,
+    requested,
+    runner,
+    sealed,
+    transitions,
+)
 from tasks.context import StepContext
 from tasks.drivers import Continue, OpRequest, get_driver
 from tasks.errors import LeaseLost
@@ -577,6 +590,30 @@ def test_the_fenced_updates_values_are_stored_as_update_stores_them(acme, alice,
         stored[by_orm.pk][:result_at] + stored[by_orm.pk][result_at + 1:])
     assert "forty-two" not in str(stored[by_hand.pk][result_at]), "the result was written in the clear"
     assert Task.objects.get(pk=by_hand.pk).result == Task.objects.get(pk=by_orm.pk).result == values["result"]
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_a_prepared_statement_given_more_values_than_placeholders_is_refused_before_it_is_sent():
+    with CaptureQueriesContext(connection) as queries, pytest.raises(psycopg.ProgrammingError,
+                                                                      match="1 placeholders but 2 parameters"):
+        prepared.fetchone("SELECT %s::int", [1, 2])
+
+    assert prepared.fetchone("SELECT %s::int", [1]) == (1,)
+    assert len(queries.captured_queries) == 0
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_a_prepared_statement_past_psycopgs_cache_limits_binds_every_value(acme):
+    """Longer than 4,096 bytes, with more than 50 parameters and a literal %, as a step's commit can be."""
+    values = [f"v{n}%" for n in range(60)]
+    sql = f"SELECT {', '.join('%s::text' for _ in values)}, 'a%%b' /* {'x' * 5000} */"
+
+    with CaptureQueriesContext(connection) as queries:
+        row = prepared.fetchone(sql, values)
+        again = prepared.fetchone(sql, list(reversed(values)))
+
+    assert row == (*values, "a%b") and again == (*reversed(values), "a%b")
+    assert "'v0%'" in queries.captured_queries[0]["sql"], "the query log shows the statement with its values"
 
 
 def _other_session():
