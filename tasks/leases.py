@@ -14,7 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Field, JSONField, Q, QuerySet
+from django.db.models import CharField, Field, JSONField, Q, QuerySet, TextField
 from django.db.models.sql import Query
 
 from tasks import broker, prepared, sealed, transitions
@@ -76,14 +76,14 @@ class Waiting:
 @dataclass(frozen=True)
 class Resume:
     """What a step resumed from the database reads first, read by the statement that claimed its task
-    (Task.resume): the task's latest checkpoint, and the calls the step before asked a gateway job for, as
-    rows of CALL_FIELDS in request order (none when it asked for none: nothing to read, nothing to wait
+    (Task.resume): the task's latest checkpoint, and the calls the step before asked a gateway job for, in
+    request order, with CALL_FIELDS alone loaded (none when it asked for none: nothing to read, nothing to wait
     for; operations.read_outcomes reads them). Beside them, what else waited for a worker at the claim
     (kicks.waiting's answer) and when it was asked (time.monotonic() as the claim was sent): a short step
     reads it instead of asking again before its commit (tasks/runner.py)."""
 
     checkpoint: Checkpoint | None
-    calls: tuple[tuple[Any, ...], ...] = ()
+    calls: tuple[Operation, ...] = ()
     waiting: Waiting | None = None
     read_at: float = 0.0
 
@@ -101,9 +101,16 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     picked = _task_of(row)
     claimed, *checkpoint, calls, jobs, steps = row[len(_TASK_FIELDS):]
     if claimed:
-        sealed.remember_tenant(Task, picked.pk, picked.tenant_id)  # the checkpoint's check of its tenant reads it
-        picked.resume = _resume_of(picked, checkpoint, calls=calls or (),
-                                   waiting=Waiting(jobs=jobs, steps=steps), read_at=asked_at)
+        # The checkpoint's and the calls' checks of their tenant read it.
+        sealed.remember_tenant(Task, picked.pk, picked.tenant_id)
+        resume = _resume_of(picked, checkpoint, calls=calls or (), waiting=Waiting(jobs=jobs, steps=steps),
+                            read_at=asked_at)
+        # The row is the one the claim locked, which may be newer than what the statement's reads beside it
+        # saw: a claim by kick that waited for another worker's commit returns the row that commit wrote, but
+        # reads the checkpoint and the calls as they were when it started. Read then, they are not this step's,
+        # and the step reads them itself.
+        latest = resume.checkpoint.step if resume.checkpoint is not None else 0
+        picked.resume = resume if latest == picked.current_step else None
         return picked
     # A retry or a takeover: transitions.claim writes its event.
     return _claim(due(now).filter(pk=picked.pk), owner=owner, now=now, wait=task_id is not None)
@@ -145,7 +152,7 @@ WITH picked AS (
     WHERE a.task_id = taken.id AND a.started_at IS NULL AND taken.current_step = 0 AND taken.attempts = 1
 )
 SELECT {columns_of_taken}, true, {columns_of_cp},
-    (SELECT json_agg(json_build_array({columns_of_o}) ORDER BY o.n) FROM {operation} o
+    (SELECT json_agg(json_build_array({columns_of_o}) ORDER BY o.n, o.id) FROM {operation} o
      WHERE o.task_id = taken.id AND o.step = taken.current_step - 1 AND o.mode = {gateway}
          AND NOT starts_with(o.key, taken.id || ':' || (taken.current_step - 1) || ':a')),
     EXISTS ({jobs_waiting}),
@@ -162,9 +169,12 @@ _TASK_NAMES = [field.attname for field in _TASK_FIELDS]
 # What a step reads of its checkpoint (task_id is the claimed task's own).
 _CHECKPOINT_FIELDS = tuple(Checkpoint._meta.get_field(name)
                            for name in ("id", "step", "fencing_token", "state", "schema_version", "at"))
-# What a step reads of each call the step before asked for (operations.read_outcomes takes rows of these).
-CALL_FIELDS = ("key", "name", "args", "status", "result", "error_class", "error_message", "usage")
+# What a step reads of each call the step before asked for (operations.read_outcomes), its task's id aside. The claim
+# reads them through JSON, as a number (the id) or text, which their fields' converters then read (a column of
+# another type would come back as text).
+CALL_FIELDS = ("id", "key", "name", "args", "status", "result", "error_class", "error_message", "usage")
 _CALL_FIELDS = tuple(Operation._meta.get_field(name) for name in CALL_FIELDS)
+assert all(field.primary_key or isinstance(field, (CharField, TextField, JSONField)) for field in _CALL_FIELDS)
 
 
 @lru_cache(maxsize=2)
@@ -209,8 +219,9 @@ def _converters(model: type, fields: tuple[Field, ...]) -> dict[int, tuple[list,
 def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls: Sequence[Sequence[Any]], waiting: Waiting,
                read_at: float) -> Resume:
     """What the claim read beside the row: the checkpoint's columns (all NULL when it has none yet) and the
-    calls' rows, through the fields' converters (sealed state, arguments and results opened as a read would)."""
-    calls = tuple(tuple(_converted(Operation, _CALL_FIELDS, call)) for call in calls)
+    calls' rows, through the fields' converters and from_db, as a read makes them (sealed state, arguments and
+    results opened, and refused when sealed for another tenant)."""
+    calls = tuple(_operation_of(task, _converted(Operation, _CALL_FIELDS, call)) for call in calls)
     if checkpoint[0] is None:
         return Resume(checkpoint=None, calls=calls, waiting=waiting, read_at=read_at)
     values = dict(zip((field.attname for field in _CHECKPOINT_FIELDS),
@@ -220,6 +231,19 @@ def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls: Sequence[Sequenc
     names = [field.attname for field in Checkpoint._meta.concrete_fields]
     return Resume(checkpoint=Checkpoint.from_db(connection.alias, names, [values[name] for name in names]),
                   calls=calls, waiting=waiting, read_at=read_at)
+
+
+# The fields a call is read with, in the model's column order (as from_db takes them), and where each is in a row of
+# the claim's (its task's id first, then CALL_FIELDS).
+_CALL_NAMES = ["task_id", *CALL_FIELDS]
+_CALL_READ = [(field.attname, _CALL_NAMES.index(field.attname)) for field in Operation._meta.concrete_fields
+              if field.attname in _CALL_NAMES]
+
+
+def _operation_of(task: Task, values: Sequence[Any]) -> Operation:
+    """An Operation of `task` with CALL_FIELDS alone loaded, from their converted values."""
+    row = [task.pk, *values]
+    return Operation.from_db(connection.alias, [name for name, _ in _CALL_READ], [row[at] for _, at in _CALL_READ])
 
 
 def _claim(rows: QuerySet[Task], *, owner: str, now: datetime, wait: bool = False) -> Task | None:

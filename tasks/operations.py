@@ -212,20 +212,19 @@ def outcomes(task_id: int, step: int) -> list[OpOutcome]:
 def outcomes_and_wait(task_id: int, step: int) -> tuple[list[OpOutcome], bool]:
     """outcomes() and unfinished() in one read: what a step resumed after its calls needs first. (On
     PostgreSQL the statement that claims the task reads the same rows: leases.Resume.calls.)"""
-    return read_outcomes(_of_step(task_id, step).order_by("n").values_list(*leases.CALL_FIELDS))
+    return read_outcomes(list(_of_step(task_id, step).order_by("n", "id").only("task_id", *leases.CALL_FIELDS)))
 
 
-def read_outcomes(calls: Iterable[Sequence[Any]]) -> tuple[list[OpOutcome], bool]:
-    """The outcomes of a step's calls, from rows of leases.CALL_FIELDS in request order, and whether the
-    task still waits for one of them."""
-    found, waits = [], False
-    for key, name, args, status, result, error_class, error_message, usage in calls:
-        finished = status in FINISHED
-        found.append(OpOutcome(name=name, args=args, ok=status == OperationStatus.SUCCEEDED, result=result,
-                               error_class=error_class, error_message=error_message, usage=usage,
-                               finished=finished))
-        waits = waits or (not finished and _awaited(key))
-    return found, waits
+def read_outcomes(calls: Sequence[Operation]) -> tuple[list[OpOutcome], bool]:
+    """The outcomes of a step's calls (in request order, leases.CALL_FIELDS loaded), and whether the task
+    still waits for one of them."""
+    found = [
+        OpOutcome(name=op.name, args=op.args, ok=op.status == OperationStatus.SUCCEEDED, result=op.result,
+                  error_class=op.error_class, error_message=op.error_message, usage=op.usage,
+                  finished=op.status in FINISHED)
+        for op in calls
+    ]
+    return found, any(op.status not in FINISHED and _awaited(op.key) for op in calls)
 
 
 def unfinished(task_id: int, step: int) -> bool:

@@ -33,7 +33,7 @@ from tasks import (
 )
 from tasks.context import StepContext
 from tasks.drivers import Continue, OpRequest, get_driver
-from tasks.errors import LeaseLost
+from tasks.errors import LeaseLost, TamperedContent
 from tasks.events import NewEvent
 from tasks.models import AdmissionRecord, Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import TaskStatus
@@ -293,9 +293,8 @@ def test_a_step_resumed_after_its_calls_reads_them_with_its_claim_and_asks_for_m
         assert f'INSERT INTO "{table}"' in commit, f"the statement writes {table} too: {commit}"
     before_commit = statements[:statements.index(commit)]
     assert len(before_commit) == 1 and "tasks_operation o" in before_commit[0], (
-        f"the claim reads the last step's calls, for the wait check and the driver: {before_commit}")
-    assert not [sql for sql in before_commit[1:] if sql.startswith("SELECT") and 'FROM "tasks_task"' in sql], (
-        f"the step's commit is a fenced UPDATE, with no read of the row first: {before_commit}")
+        f"the claim reads the last step's calls, for the wait check and the driver, and nothing reads the row "
+        f"before the step's commit, a fenced UPDATE: {before_commit}")
     assert not [sql for sql in statements if "COUNT(" in sql], f"a new step's calls are numbered from 0: {statements}"
     assert len(statements) <= RESUMED_WITH_CALLS_STATEMENTS, statements
     assert list(Operation.objects.filter(task=task, step=asked_at).order_by("n").values_list("n", flat=True)) == (
@@ -341,13 +340,71 @@ def test_the_claim_brings_the_last_steps_calls_as_the_runners_own_read_of_them_w
     brought = operations.read_outcomes(claimed.resume.calls)
     assert brought == operations.outcomes_and_wait(task.pk, step)
     outcomes, waits = brought
-    assert [call[0].rpartition(":")[2] for call in claimed.resume.calls] == (
+    assert [call.key.rpartition(":")[2] for call in claimed.resume.calls] == (
         [op.key.rpartition(":")[2] for op in searches] + [f"{operations.WATCH_PREFIX}0"])
     assert outcomes[0].ok and outcomes[0].result["results"][0]["title"] == "Python"  # opened
     assert outcomes[0].args == searches[0].args and outcomes[0].usage == {}
     assert (outcomes[1].ok, outcomes[1].finished, outcomes[1].error_message) == (
         False, True, "the search API timed out")
     assert not waits, "the watch still out is not waited for"
+
+
+def research_after_its_plan(acme, alice) -> tuple[Task, Operation]:
+    """A research task whose plan call has been recorded, due for the step that reads it."""
+    task = submit_research(acme, alice)
+    jobs.advance(task.pk)  # the plan: one model call
+    operations.run_due(run_for=5)
+    task.refresh_from_db()
+    [plan] = Operation.objects.filter(task=task, step=task.current_step - 1)
+    assert plan.status == "succeeded" and task.next_run_at is not None
+    return task, plan
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_a_call_result_sealed_for_another_tenant_is_refused_by_the_claim_as_by_a_read(
+        acme, alice, globex, charlie, settings):
+    settings.LONGHAUL_ENCRYPT_AT_REST = True
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+    ours, plan = research_after_its_plan(acme, alice)
+    theirs, their_plan = research_after_its_plan(globex, charlie)
+    with connection.cursor() as cursor:  # their plan's sealed result, copied into ours in the database
+        cursor.execute("UPDATE tasks_operation SET result = (SELECT result FROM tasks_operation WHERE id = %s) "
+                       "WHERE id = %s", [their_plan.pk, plan.pk])
+
+    with pytest.raises(TamperedContent, match="sealed for another tenant"):
+        leases.claim(ours.pk, owner="worker-b", now=clock.now())
+    with pytest.raises(TamperedContent, match="sealed for another tenant"):
+        operations.outcomes_and_wait(ours.pk, plan.step)
+    claimed = leases.claim(theirs.pk, owner="worker-b", now=clock.now())
+    assert claimed.resume.calls[0].result == their_plan.result, "their own row reads as it is"
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
+def test_a_claim_whose_reads_are_older_than_the_row_it_took_brings_nothing_for_the_step(acme, alice, settings):
+    """A claim by kick that waited for another worker's commit returns the row as that commit left it, but reads
+    the checkpoint and the calls as they were when the statement started: the step must read them itself."""
+    settings.LONGHAUL_STEP_SLICE_MS = 0
+    task, plan = research_after_its_plan(acme, alice)
+    # The row moved one step past what the claim's reads can see, as the commit it waited for would move it.
+    Task.objects.filter(pk=task.pk).update(current_step=task.current_step + 1)
+
+    claimed = leases.claim(task.pk, owner="worker-b", now=clock.now())
+
+    assert claimed is not None and claimed.current_step == task.current_step + 1
+    assert claimed.resume is None, "the checkpoint and the calls read are not this step's"
+    Task.objects.filter(pk=task.pk).update(current_step=task.current_step, lease_owner="", next_run_at=clock.now())
+    claimed = leases.claim(task.pk, owner="worker-b", now=clock.now())
+    assert claimed.resume is not None and [op.pk for op in claimed.resume.calls] == [plan.pk], "in step, it does"
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_a_prepared_statement_given_more_values_than_placeholders_is_refused_before_it_is_sent():
+    with CaptureQueriesContext(connection) as queries, pytest.raises(psycopg.ProgrammingError,
+                                                                      match="1 placeholders but 2 parameters"):
+        prepared.fetchone("SELECT %s::int", [1, 2])
+
+    assert prepared.fetchone("SELECT %s::int", [1]) == (1,)
+    assert len(queries.captured_queries) == 0
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
@@ -590,16 +647,6 @@ def test_the_fenced_updates_values_are_stored_as_update_stores_them(acme, alice,
         stored[by_orm.pk][:result_at] + stored[by_orm.pk][result_at + 1:])
     assert "forty-two" not in str(stored[by_hand.pk][result_at]), "the result was written in the clear"
     assert Task.objects.get(pk=by_hand.pk).result == Task.objects.get(pk=by_orm.pk).result == values["result"]
-
-
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
-def test_a_prepared_statement_given_more_values_than_placeholders_is_refused_before_it_is_sent():
-    with CaptureQueriesContext(connection) as queries, pytest.raises(psycopg.ProgrammingError,
-                                                                      match="1 placeholders but 2 parameters"):
-        prepared.fetchone("SELECT %s::int", [1, 2])
-
-    assert prepared.fetchone("SELECT %s::int", [1]) == (1,)
-    assert len(queries.captured_queries) == 0
 
 
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
