@@ -1,5 +1,6 @@
 """The machine's processes as /proc shows them, for the benchmarks that weigh a cluster (memory, CPU):
-who is whose child, which is the chat service, and a process's memory figures."""
+who is whose child, which is the chat service, a process's CPU time and memory figures, and how busy
+the machine's cores were."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
 
 @dataclass(frozen=True)
 class Proc:
@@ -15,6 +18,13 @@ class Proc:
     ppid: int
     name: str  # /proc/<pid>/comm: "postgres", "python", ...
     argv: tuple[bytes, ...]
+    cpu: float = 0.0  # CPU seconds it has used so far (utime + stime)
+    started: int = 0  # clock ticks after boot it started at: a pid used again is another process
+
+    @property
+    def is_task_cluster(self) -> bool:
+        """`manage.py worker` serving the task queue, or one of its forked processes (they keep its argv)."""
+        return b"manage.py" in self.argv and b"worker" in self.argv and not self.is_chat_service
 
     @property
     def is_chat_service(self) -> bool:
@@ -35,8 +45,18 @@ def processes() -> list[Proc]:
             continue
         # comm sits in parentheses and may hold spaces or parentheses itself: split at the last ")".
         name = stat[stat.index("(") + 1:stat.rindex(")")]
-        found.append(Proc(int(entry.name), int(stat.rsplit(")", 1)[1].split()[1]), name, tuple(argv)))
+        fields = stat.rsplit(")", 1)[1].split()
+        found.append(Proc(int(entry.name), int(fields[1]), name, tuple(argv),
+                          cpu=(int(fields[11]) + int(fields[12])) / TICKS, started=int(fields[19])))
     return found
+
+
+def machine_busy() -> tuple[float, float]:
+    """CPU seconds the machine's cores have been busy so far, and in all (every state but idle and iowait
+    counts as busy: /proc/stat's first line)."""
+    # user, nice, system, idle, iowait, irq, softirq, steal (guest time is counted in user and nice already)
+    ticks = [int(n) for n in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / TICKS, sum(ticks) / TICKS
 
 
 def descendants(root: int, procs: list[Proc]) -> list[int]:

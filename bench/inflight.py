@@ -31,15 +31,18 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from datetime import datetime, timezone
 from urllib.parse import quote
 
 import _harness as h
 import httpx2
+from _processes import Proc, machine_busy, processes
 from django.conf import settings
 from django.db import transaction
 
@@ -53,6 +56,7 @@ from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler, research_repl
 TARGET_PER_PROCESS = 100
 CLAIM_WAIT_TARGET_MS = 50  # a call requested -> claimed by a gateway job, p50
 NEXT_STEP_TARGET_MS = 100  # a step's last result recorded -> its next step committed, p50
+SATURATED = 0.9  # a second in which the cores were this busy had no CPU to spare for a step
 POOL_CONCURRENCY = 400  # each pool's (model, search, visit): above what a wave of 200 tasks asks of the model
 WITH_ROOM = "requested while the gateway had room for it"
 # A call's time out with a gateway job, in two: the remote answer as the job timed it (usage.duration_ms,
@@ -130,7 +134,11 @@ class SearchSite(http_site.HttpSite):
 
 
 class Sampler(threading.Thread):
-    """Every `interval` s: the fake's in-flight requests counted per worker process (by socket owner)."""
+    """Every `interval` s: the fake's in-flight requests counted per worker process (by socket owner); and, from
+    the first model call out (the clusters' start-up left out), how busy the machine's cores were, with the CPU
+    time of every process every CPU_EVERY rounds (CpuUse)."""
+
+    CPU_EVERY = 5  # a scan of /proc costs about 6 ms of this process's CPU, which the fakes share
 
     def __init__(self, fake: TrackingFake, pids: Callable[[], list[int]], interval: float = 0.2) -> None:
         super().__init__(name="bench-sampler", daemon=True)
@@ -139,15 +147,23 @@ class Sampler(threading.Thread):
         self.max_per_pid: Counter[int] = Counter()
         self.max_total = 0
         self.samples: list[tuple[float, int, dict[int, int]]] = []
+        self.busy: list[tuple[float, float, float]] = []  # (time.time(), the cores' busy and total CPU seconds so far)
+        self.cpu = CpuUse()
         self.stopping = threading.Event()
 
     def run(self) -> None:
         rounds = 0
         while not self.stopping.wait(self.interval):
             rounds += 1
+            ports = self.fake.active_ports()
+            if ports and not self.busy:  # the first model call is out: CPU is counted from here, past the start-up
+                self.cpu.look(first=True)
+            if self.busy or ports:
+                self.busy.append((time.time(), *machine_busy()))
+                if rounds % self.CPU_EVERY == 0:
+                    self.cpu.look()
             if rounds % 10 == 0:  # django-q2 respawns a worker that died or was recycled
                 self.pids = self.find_pids()
-            ports = self.fake.active_ports()
             if not ports:
                 self.samples.append((time.time(), 0, {}))
                 continue
@@ -161,6 +177,61 @@ class Sampler(threading.Thread):
                 self.max_per_pid[pid] = max(self.max_per_pid[pid], n)
             self.max_total = max(self.max_total, len(ports))
             self.samples.append((time.time(), len(ports), dict(per_pid)))
+        if self.busy:
+            self.cpu.look()
+            self.busy.append((time.time(), *machine_busy()))
+
+    def busy_seconds(self, *, at_least: float) -> tuple[int, int]:
+        """Of the whole seconds sampled: how many the machine's cores were at least `at_least` busy, and how many."""
+        every = max(1, round(1 / self.interval))
+        per_second = [(later[1] - earlier[1]) / (later[2] - earlier[2])
+                      for earlier, later in zip(self.busy[::every], self.busy[every::every]) if later[2] > earlier[2]]
+        return sum(share >= at_least for share in per_second), len(per_second)
+
+
+class CpuUse:
+    """The CPU seconds each process used between the first look and the last: from its first sighting, or from
+    zero for one that started after the first look. A process that ends between two looks loses what it used
+    since the last one (a worker django-q2 recycles: at most a second's worth)."""
+
+    def __init__(self) -> None:
+        self.first: dict[tuple[int, int], float] = {}  # by pid and start time: a pid may be used again
+        self.last: dict[tuple[int, int], Proc] = {}
+
+    def look(self, *, first: bool = False) -> None:
+        for proc in processes():
+            key = (proc.pid, proc.started)
+            self.first.setdefault(key, proc.cpu if first else 0.0)
+            if key in self.last and not any(proc.argv):  # it has ended (a zombie has no command line): as it was
+                proc = replace(self.last[key], cpu=proc.cpu)
+            self.last[key] = proc
+
+    def by_role(self, *, gateway: set[int]) -> dict[str, float]:
+        """CPU seconds used by each part of the run (ROLES), the rest of the machine's processes last.
+        `gateway`: the pids of the worker processes that ran a gateway job."""
+        spent: Counter[str] = Counter()
+        for key, proc in self.last.items():
+            if proc.pid in gateway and proc.is_task_cluster:
+                role = ROLES[0]
+            elif proc.is_task_cluster:
+                role = ROLES[1]
+            elif proc.is_chat_service:
+                role = ROLES[2]
+            elif proc.name == "postgres":
+                role = ROLES[3]
+            elif proc.pid == os.getpid():
+                role = ROLES[4]
+            else:
+                role = ROLES[5]
+            spent[role] += proc.cpu - self.first[key]
+        return {role: spent[role] for role in ROLES}
+
+
+ROLES = ("the worker processes that ran a gateway job (with any steps they ran besides)",
+         "the task cluster's other processes (the worker that ran the steps; the guard, pusher and monitor)",
+         "the chat service's cluster", "PostgreSQL (every postgres process)",
+         "this benchmark's process (the fake model server, the search site and its pages, the sampler)",
+         "the rest of the machine")
 
 
 # --- the baseline --------------------------------------------------------------------------
@@ -438,6 +509,27 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
          f"(it sleeps {delay * 1000:,.0f} ms)"],
         ["samples with 2+ processes calling at once", sum(1 for s in busy if len(s[2]) >= 2)],
     ]))
+    # The cores' CPU seconds while the cluster ran, in all and busy.
+    window, cores_busy = ((sampler.busy[-1][2] - sampler.busy[0][2], sampler.busy[-1][1] - sampler.busy[0][1])
+                          if len(sampler.busy) > 1 else (0.0, 0.0))
+
+    def share(seconds: float) -> str:
+        return f"{seconds / window:.0%}" if window else "-"
+
+    gateways = len(sampler.max_per_pid)  # the worker processes that had model calls out: a job may move between them
+    spent = sampler.cpu.by_role(gateway=set(sampler.max_per_pid))
+    cpu_rows = [[role, f"{used:.1f}", share(used)] for role, used in spent.items()]
+    cpu_rows.append([f"the machine's {os.cpu_count()} cores, busy", f"{cores_busy:.1f} of {window:.1f}",
+                     share(cores_busy)])
+    saturated, seconds = sampler.busy_seconds(at_least=SATURATED)
+    per_step_ms = spent[ROLES[1]] / steps * 1000 if steps else 0.0
+    report.add("Where the CPU went from the first model call out to the end", h.table(
+        ["part", "CPU seconds", "share of the cores' time"], cpu_rows)
+        + f"\n\nThe task cluster's processes besides the gateway's used {per_step_ms:.1f} ms of CPU per step "
+        f"committed ({steps} steps). "
+        f"The cores were at least {SATURATED:.0%} busy in {saturated} of the {seconds} whole seconds sampled "
+        "(/proc/stat every 0.2 s). Each process's CPU time is read from /proc/<pid>/stat every second; one that "
+        "ended between two reads (a worker django-q2 recycled) loses what it used since the last.")
     report.add("Where a task's time goes (milliseconds)", h.table(["interval", "p50", "p90", "p99", "samples"], [
         [name, h.fmt(h.percentile(v, 50), 0), h.fmt(h.percentile(v, 90), 0), h.fmt(h.percentile(v, 99), 0), len(v)]
         for name, v in waits.items()]))
@@ -489,10 +581,22 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             "plan answers within a second or two of each other, then their searches, and so on), and a wave's next "
             f"steps queue: {tasks} of them take {tasks / busiest if busiest else 0:.1f} s to drain at that pace, so "
             "the median task of a wave waits about half that. The wait is the steps' queue, not the hand-off (a kick "
-            "reaches an idle worker at once: its pusher listens for it). More step capacity moves the wait to the "
-            "calls: with a third worker process (measured once, --workers 3, with the job's cap at 1,000 and lxml "
-            "reading the pages) the next step came in 87 ms at the median, the waves of visits came sooner and "
-            "bunched at their pool's 400, tool calls waited 175 ms to be claimed, and the run took 11.2 s.")
+            "reaches an idle worker at once: its pusher listens for it). "
+            + (f"And the pace is the CPU the steps get: the machine's cores were at least {SATURATED:.0%} busy in "
+               if seconds and saturated * 2 >= seconds else
+               f"The cores had time to spare: they were at least {SATURATED:.0%} busy in only ")
+            + f"{saturated} of the {seconds} seconds from the first call out; of their time the "
+            f"{'process' if gateways == 1 else f'{gateways} processes'} that ran the gateway took "
+            f"{share(spent[ROLES[0]])}, the task cluster's others {share(spent[ROLES[1]])} and PostgreSQL "
+            f"{share(spent[ROLES[3]])}, and this benchmark's fakes, which stand for other machines, "
+            f"{share(spent[ROLES[4]])} (the table above). The worker that runs the steps spends its time on its own "
+            f"CPU as much as on its statements: the cluster's processes besides the gateway's used {per_step_ms:.1f} "
+            f"ms of CPU a step, where its busiest second took {1000 / busiest if busiest else 0:.1f} ms a step. "
+            "More step capacity moves the wait to the calls: with a "
+            "third worker process (measured once, --workers 3, with the claim reading the last step's calls) the next "
+            "step came in 117 ms at the median, the cores were at least 90% busy in 3 of 11 seconds, the waves of "
+            "visits came sooner and bunched at their pool's 400, tool calls waited 764 ms to be claimed, and the run "
+            "took 14.2 s (13.8 s with two).")
     return report
 
 

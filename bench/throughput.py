@@ -473,11 +473,12 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
         ["step", "statements"],
         [
             ["a step run in place (the worker kept the lease): probe for waiting work, the fenced commit", kept],
-            [("a step when the worker goes on to the task due longest (no broker): the claim from the task table (which "
-              "brings the checkpoint, whether calls are out and what else waits, the probe's answer), the fenced commit; "
-              f"{TASKS_GOING_ON} tasks of {steps} steps, their ends and the turn's first claim and last look included"),
+            [("a step when the worker goes on to the task due longest (no broker): the claim from the task table "
+              "(which brings the checkpoint, the last step's calls and what else waits, the probe's answer), the "
+              f"fenced commit; {TASKS_GOING_ON} tasks of {steps} steps, their ends and the turn's first claim and last "
+              "look included"),
              f"mean {switching_statements:.1f}"],
-            [("a step after a kick: claim (with the checkpoint, whether calls are out and what else waits), fenced "
+            [("a step after a kick: claim (with the checkpoint, the last step's calls and what else waits), fenced "
               "commit, next kick"), f"median {h.median(statements):.0f} (min {min(statements)}, max {max(statements)})"],
             [("a step that asks for calls, after a kick: claim, the fenced statement (the move, its checkpoint and "
               "events, and the calls, while none of their pools is paused), the gateway's kick, the turn's last look"),
@@ -511,8 +512,8 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
         report.notes.append(
             f"{heading}: under load a step costs {worker_ms_lh:.1f} ms of worker time "
             f"here. A worker going on from task to task sends {switching_statements:.1f} statements a step (each task's "
-            "end included): the one-statement claim, which also brings the checkpoint, whether the step before asked "
-            "for calls and what else waits for a worker (so the step after it sends no probe of its own); the fenced "
+            "end included): the one-statement claim, which also brings the checkpoint, the calls the step before "
+            "asked for and what else waits for a worker (so the step after it sends no probe of its own); the fenced "
             "commit, one UPDATE that also writes the checkpoint and the events and commits alone (no BEGIN or COMMIT: "
             "transitions.commits_alone). The claim reads task_due_idx in its own order (due time, then id) and "
             "stops at the first row nobody holds. Each UPDATE of the "
