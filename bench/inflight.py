@@ -46,7 +46,7 @@ from _processes import Proc, machine_busy, processes
 from django.conf import settings
 from django.db import transaction
 
-from tasks import actions, jobs
+from tasks import actions, jobs, kicks
 from tasks.descriptors import calls_at_most
 from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import TERMINAL, TaskStatus
@@ -270,6 +270,18 @@ def submit_research(scope: h.Scope, count: int) -> tuple[list[int], float]:
     return ids, time.time()
 
 
+def withdraw_step_kicks(ids: set[int]) -> int:
+    """Delete the kicks to advance these tasks. After the staged first steps they are all stale: each task's
+    submission kicked it, and each turn here ended kicking the task due longest, but this process ran every
+    first step itself (where a burst's workers would have taken those kicks). Left, about 400 jobs that find
+    their task gone would meet the first wave. The kicks for the plan calls stay: the gateway runs them."""
+    from django_q.models import OrmQ
+
+    stale = [pk for pk, func, task_id in h.broker_rows() if func == kicks.JOBS["advance"] and task_id in ids]
+    OrmQ.objects.filter(pk__in=stale).delete()
+    return len(stale)
+
+
 def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     """From the rows: how long operations waited for a gateway job (those requested once a job was
     claiming), ran, and how long a task then waited for its next step to commit once its last
@@ -425,6 +437,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                         jobs.advance(task_id)
                     waiting = Task.objects.filter(pk__in=ids, waiting_reason="model").count()
                     assert waiting == tasks, f"{waiting} of {tasks} staged tasks wait for their plan call"
+                    withdraw_step_kicks(set(ids))
                 # As autovacuum would have by now (this machine's PostgreSQL runs without it): the planner
                 # plans the run's claims for the rows there are, not for the empty tables of a fresh database.
                 h.vacuum_analyze()
