@@ -42,12 +42,12 @@ class _PreparingCursor(psycopg.RawCursor):
 
     def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                 binary: bool | None = None) -> _PreparingCursor:
-        threshold, self.connection.prepare_threshold = self.connection.prepare_threshold, _ONLY_WHEN_ASKED
         sql, placeholders = numbered(query)
         if len(params or ()) != placeholders:
             # psycopg's raw cursor counts nothing, and PostgreSQL takes typed values past the last one.
             raise psycopg.ProgrammingError(f"the statement has {placeholders} placeholders but "
                                            f"{len(params or ())} parameters were passed")
+        threshold, self.connection.prepare_threshold = self.connection.prepare_threshold, _ONLY_WHEN_ASKED
         try:
             return super().execute(sql, params, prepare=True, binary=binary)
         finally:
