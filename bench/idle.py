@@ -15,10 +15,8 @@ database (pg_stat_database). The machine is shared: the database's figure includ
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import _harness as h
 from _processes import processes
@@ -27,19 +25,12 @@ from django.db import connection
 
 WARM_UP_SECONDS = 10.0  # the clusters start their processes (their schedule, a sweep a minute, may fall in either window)
 LIMITS = {"seconds": 300.0, "workers": 8}
-TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pids: list[int]) -> dict[int, float]:
-    """pid -> CPU seconds used so far, for those still alive."""
-    used = {}
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        used[pid] = (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime
-    return used
+    """pid -> CPU seconds used so far (utime + stime), for those still alive."""
+    wanted = set(pids)
+    return {proc.pid: proc.cpu for proc in processes() if proc.pid in wanted}
 
 
 def postgres_pids() -> list[int]:

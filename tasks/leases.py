@@ -103,7 +103,7 @@ def _claim_in_one(*, owner: str, now: datetime, task_id: int | None = None) -> T
     if claimed:
         # The checkpoint's and the calls' checks of their tenant read it.
         sealed.remember_tenant(Task, picked.pk, picked.tenant_id)
-        resume = _resume_of(picked, checkpoint, calls=calls or (), waiting=Waiting(jobs=jobs, steps=steps),
+        resume = _resume_of(picked, checkpoint, call_rows=calls or (), waiting=Waiting(jobs=jobs, steps=steps),
                             read_at=asked_at)
         # The row is the one the claim locked, which may be newer than what the statement's reads beside it
         # saw: a claim by kick that waited for another worker's commit returns the row that commit wrote, but
@@ -216,12 +216,12 @@ def _converters(model: type, fields: tuple[Field, ...]) -> dict[int, tuple[list,
     return compiler.get_converters([field.get_col(model._meta.db_table) for field in fields])
 
 
-def _resume_of(task: Task, checkpoint: Sequence[Any], *, calls: Sequence[Sequence[Any]], waiting: Waiting,
+def _resume_of(task: Task, checkpoint: Sequence[Any], *, call_rows: Sequence[Sequence[Any]], waiting: Waiting,
                read_at: float) -> Resume:
     """What the claim read beside the row: the checkpoint's columns (all NULL when it has none yet) and the
     calls' rows, through the fields' converters and from_db, as a read makes them (sealed state, arguments and
     results opened, and refused when sealed for another tenant)."""
-    calls = tuple(_operation_of(task, _converted(Operation, _CALL_FIELDS, call)) for call in calls)
+    calls = tuple(_operation_of(task, _converted(Operation, _CALL_FIELDS, row)) for row in call_rows)
     if checkpoint[0] is None:
         return Resume(checkpoint=None, calls=calls, waiting=waiting, read_at=read_at)
     values = dict(zip((field.attname for field in _CHECKPOINT_FIELDS),
