@@ -271,13 +271,15 @@ def submit_research(scope: h.Scope, count: int) -> tuple[list[int], float]:
 
 
 def withdraw_step_kicks(ids: set[int]) -> int:
-    """Delete the kicks to advance these tasks. After the staged first steps they are all stale: each task's
-    submission kicked it, and each turn here ended kicking the task due longest, but this process ran every
-    first step itself (where a burst's workers would have taken those kicks). Left, about 400 jobs that find
-    their task gone would meet the first wave. The kicks for the plan calls stay: the gateway runs them."""
+    """Delete the kicks to advance these tasks, and those for the task due longest. After the staged first steps
+    they are all stale: each task's submission kicked it, and each turn here ended with a kick for the task due
+    longest, but this process ran every first step itself (where a burst's workers would have taken those
+    kicks). Left, about 400 jobs that find nothing due would meet the first wave. The kicks for the plan calls
+    stay: the gateway runs them."""
     from django_q.models import OrmQ
 
-    stale = [pk for pk, func, task_id in h.broker_rows() if func == kicks.JOBS["advance"] and task_id in ids]
+    stale = [pk for pk, func, task_id in h.broker_rows()
+             if func == kicks.JOBS["advance"] and (task_id in ids or task_id == kicks.DUE_LONGEST)]
     OrmQ.objects.filter(pk__in=stale).delete()
     return len(stale)
 

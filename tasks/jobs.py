@@ -15,21 +15,24 @@ WATCHDOG_MARGIN = timedelta(milliseconds=500)
 
 
 def advance(task_id: int) -> None:
-    """Claim the task if a step is due and run it; otherwise do nothing."""
+    """Claim the task (kicks.DUE_LONGEST: the task due longest) if a step is due and run it; otherwise do
+    nothing."""
     with drain.job():
         if drain.draining.is_set():
             kicks.kick("advance", task_id)  # hand the hint on to a worker that is not stopping
             return
         owner = leases.worker_identity()
         now = clock.now()
-        task = leases.claim(task_id, owner=owner, now=now)
-        if task is None:
-            _watch_held_lease(task_id, now=now)
-            # A kick is a hint that steps are due: when another worker took this one, take the task due longest.
-            task = leases.claim_next(owner=owner, now=now)
+        if task_id == kicks.DUE_LONGEST:
+            task = leases.claim_due_longest(owner=owner, now=now)
+        else:
+            task = leases.claim(task_id, owner=owner, now=now)
             if task is None:
-                return
-        runner.run(task, owner=owner)
+                _watch_held_lease(task_id, now=now)
+                # A kick is a hint that steps are due: when another worker took this one, take the task due longest.
+                task = leases.claim_next(owner=owner, now=now)
+        if task is not None:
+            runner.run(task, owner=owner)
 
 
 def run_operations(task_id: int) -> None:

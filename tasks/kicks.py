@@ -8,12 +8,16 @@ Step kicks (`advance`) and gateway kicks (`operations`) go under keys of their o
 the cluster's queue (tasks/broker.py), so a worker running steps can ask "does other work
 wait?" without counting the hints for tasks it may take from the task table itself, nor
 those for calls that the gateway job holding the turn has heard of already.
+
+A step kick names its task, or DUE_LONGEST: then it is for whichever task has been due longest
+(kick_steps). Work that others carry on (a turn ended, a batch of steps made due) is kicked so: a
+worker takes the next in line, a task handed on waits its turn behind those due before it, and a
+kick whose task a turn took meanwhile costs one claim that finds nothing, not a look at who holds it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from datetime import datetime
 
 from django.conf import settings
@@ -27,6 +31,9 @@ from django_q.signing import SignedPackage
 from tasks import leases, prepared
 from tasks.broker import GATEWAY_TURN_KEY, TURN_FREE, gateway_key, jobs_waiting_params, jobs_waiting_sql, steps_key
 from tasks.models import Task
+
+# The task a step kick names when it is for the task due longest, whichever that is by the time it runs.
+DUE_LONGEST = 0
 
 # Job name -> the function a worker runs, by dotted path. Apps built on tasks add theirs
 # with register_job at start (chat: "run").
@@ -68,12 +75,18 @@ def kick(job: str, task_id: int, *, at: datetime | None = None) -> int:
     return row.pk
 
 
-def kick_many(job: str, task_ids: Iterable[int]) -> None:
-    """Ask for `job` now for each of the tasks, in one statement (a gateway batch that made many steps due)."""
-    now = timezone.now()
-    rows = [_message(job, task_id, at=None, now=now) for task_id in task_ids]
-    if rows:
-        OrmQ.objects.bulk_create(rows)
+def kick_steps(count: int) -> None:
+    """Ask `count` workers, now, to run the steps due longest, in one statement. A batch of steps made due
+    kicks no more workers than there are (step_workers): each takes the task due longest, goes on to the next
+    due (tasks/runner.py) and ends its turn kicking the next in line, so the kicks carry the whole batch."""
+    if count > 0:
+        now = timezone.now()
+        OrmQ.objects.bulk_create([_message("advance", DUE_LONGEST, at=None, now=now) for _ in range(count)])
+
+
+def step_workers() -> int:
+    """How many workers run this cluster's steps (a batch of steps made due kicks as many)."""
+    return int(settings.Q_CLUSTER["workers"])
 
 
 def kick_calls(task_id: int, *, at: datetime) -> None:
@@ -158,11 +171,11 @@ def kick_advance(task_id: int) -> None:
     kick("advance", task_id)
 
 
-def kick_first_due(*, now: datetime) -> int | None:
-    """Kick the task due longest that nobody holds, if there is one; returns its id. A worker ends its turn
-    with this: whatever it left due (the tasks it released without a kick, or another turn's), the worker
-    the kick reaches goes on to the rest, so a due task always has a kick or a worker's turn on its way."""
-    first = leases.due(now).order_by("next_run_at", "pk").values_list("pk", flat=True).first()
-    if first is not None:
-        kick("advance", first)
-    return first
+def kick_first_due(*, now: datetime) -> bool:
+    """Kick for the task due longest, if a task is due that nobody holds; returns whether it did. A worker ends
+    its turn with this: whatever it left due (the tasks it released without a kick, or another turn's), the
+    worker the kick reaches goes on to the rest, so a due task always has a kick or a worker's turn on its way."""
+    if not leases.due(now).exists():
+        return False
+    kick("advance", DUE_LONGEST)
+    return True

@@ -596,7 +596,7 @@ def record(op_id: int, *, owner: str, result: Any = None, error: StepError | Non
 
 def record_many(outcomes: Sequence[Outcome], *, owner: str) -> list[bool | Exception]:
     """Store the outcomes a gateway job saw arrive together, in one transaction, and make due the next
-    step of each task whose last call of a step is among them (one kick per task). Returns, in order,
+    step of each task whose last call of a step is among them (kicks.kick_steps). Returns, in order,
     whether each was recorded (False: its lease ran out and another job took it over) or what stopped it.
 
     If one outcome cannot be recorded, the batch is rolled back and each is recorded alone: the others
@@ -634,12 +634,13 @@ def _finish(op_id: int, *, guard: Q, fields: dict[str, Any], retries_used: int =
 
 def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
     """Close operations in one transaction (each if its guard still holds), then, task by task, do what
-    follows: make the next step due of a task whose step has no call out any more (one kick), look again
+    follows: make the next step due of a task whose step has no call out any more, look again
     at a question a watch call saw, or stop remote work its ended task no longer wants. Returns which closed.
 
     The tasks are locked in id order, in one statement, before anything is written (one recorder per task
     at a time, and two recorders never wait on each other in a circle). The calls are then locked and
-    closed a few statements a batch, not one or more a call: a wave of outcomes is one recorder's work."""
+    closed a few statements a batch, not one or more a call: a wave of outcomes is one recorder's work. The
+    steps made due are kicked together, as many kicks as there are workers (kicks.kick_steps)."""
     with transaction.atomic():
         ops = Operation.objects.only("task_id", "step", "key", "has_side_effects").in_bulk(
             [c.op_id for c in closing])
@@ -665,7 +666,8 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
             done = {op.task_id: tasks[op.task_id] for op, fields in written
                     if _after_closing(tasks[op.task_id], op, fields["status"], out=out, now=now)}
             due = transitions.operations_done_many(sorted(done.values(), key=lambda task: task.pk), now=now)
-            kicks.kick_many("advance", sorted(task.pk for task in due))
+            # Not one kick per task: a kick whose task another kick's turn took runs a job that finds nothing.
+            kicks.kick_steps(min(len(due), kicks.step_workers()))
     return closed
 
 

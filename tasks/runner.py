@@ -77,8 +77,10 @@ class Turn:
         return not draining.is_set() and time.monotonic() < self.ends
 
     def hand_on(self, task_id: int) -> None:
-        """Inside the step's commit: the released task's kick (the turn ends)."""
-        kicks.kick_advance(task_id)
+        """Inside the step's commit of task `task_id`, released with its next step due: the kick that carries the
+        work on (the turn ends). It is for the task due longest, not for this one: a task handed on waits behind
+        the tasks due before it, whose kicks may be this one (kicks.kick_steps)."""
+        kicks.kick("advance", kicks.DUE_LONGEST)
         self.handed_on = True
 
 

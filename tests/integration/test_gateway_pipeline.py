@@ -1,7 +1,8 @@
 """The path of a call through the gateway: a gateway job records the outcomes that arrive together in one
-transaction, one kick per task whose step is done; it hears the calls steps request while it runs instead
-of waiting for its next look; and while it holds the turn, a worker running steps does not make way for
-the gateway kicks those steps wrote, which only a job without the turn would need."""
+transaction, and kicks the steps they make due together (a kick a worker, at most); it hears the calls
+steps request while it runs instead of waiting for its next look; and while it holds the turn, a worker
+running steps does not make way for the gateway kicks those steps wrote, which only a job without the
+turn would need."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
-from tasks import clock, kicks, operations, pools, requested, transitions
+from tasks import clock, kicks, leases, operations, pools, requested, transitions
 from tasks.drivers import OpRequest
 from tasks.models import Operation, Pool, Task, TaskEvent
 from tasks.statuses import OperationStatus, TaskStatus
@@ -50,9 +51,19 @@ def advance_kicks() -> list[int]:
                   if SignedPackage.loads(p)["func"] == "tasks.jobs.advance")
 
 
+def made_due() -> list[int]:
+    """The tasks whose next step is due, held by nobody."""
+    return sorted(leases.due(clock.now()).values_list("pk", flat=True))
+
+
+def kicks_for(steps_made_due: int) -> list[int]:
+    """The kicks of a batch that made that many steps due: one for the task due longest per worker, at most."""
+    return [kicks.DUE_LONGEST] * min(steps_made_due, kicks.step_workers())
+
+
 @pytest.mark.smoke
 @pytest.mark.django_db(transaction=True)
-def test_outcomes_that_arrive_together_are_recorded_at_once_with_one_kick_per_task_done(acme, alice):
+def test_outcomes_that_arrive_together_are_recorded_at_once_and_their_steps_kicked_together(acme, alice):
     (one, [a]), (two, [b, c]), (three, [d, e]) = waiting(acme, alice), waiting(acme, alice, 2), waiting(acme, alice, 2)
     OrmQ.objects.all().delete()
 
@@ -61,7 +72,8 @@ def test_outcomes_that_arrive_together_are_recorded_at_once_with_one_kick_per_ta
 
     assert {op.pk: op.status for op in Operation.objects.filter(task__in=[one, two, three])} == {
         a.pk: Op.SUCCEEDED, b.pk: Op.SUCCEEDED, c.pk: Op.SUCCEEDED, d.pk: Op.SUCCEEDED, e.pk: Op.STARTED}
-    assert advance_kicks() == sorted([one.pk, two.pk]), "one kick per task whose step is done, none for three"
+    assert made_due() == sorted([one.pk, two.pk]), "each task whose step is done, not three"
+    assert advance_kicks() == kicks_for(2)
     due = {t.pk: (t.status, t.next_run_at is not None) for t in Task.objects.filter(pk__in=[one.pk, two.pk, three.pk])}
     assert due == {one.pk: (TaskStatus.RUNNING, True), two.pk: (TaskStatus.RUNNING, True),
                    three.pk: (TaskStatus.WAITING_TOOL, False)}
@@ -76,7 +88,7 @@ def test_an_outcome_that_cannot_be_stored_leaves_the_others_recorded(acme, alice
     assert isinstance(recorded[0], Exception) and recorded[1] is True
     assert Operation.objects.get(pk=a.pk).status == Op.STARTED, "left to its lease, as a call whose job died"
     assert Operation.objects.get(pk=b.pk).status == Op.SUCCEEDED
-    assert advance_kicks() == [two.pk]
+    assert (made_due(), advance_kicks()) == ([two.pk], kicks_for(1))
 
 
 @pytest.mark.django_db(transaction=True)
@@ -86,7 +98,7 @@ def test_an_outcome_whose_call_another_job_took_over_is_not_recorded(acme, alice
 
     assert operations.record_many([outcome(a), outcome(b)], owner=OWNER) == [False, True]
     assert Operation.objects.get(pk=a.pk).status == Op.STARTED
-    assert advance_kicks() == [two.pk]
+    assert (made_due(), advance_kicks()) == ([two.pk], kicks_for(1))
 
 
 @pytest.mark.django_db(transaction=True)
@@ -100,7 +112,8 @@ def test_a_batch_costs_fewer_statements_than_its_outcomes_recorded_one_by_one(ac
         for op in alone:
             assert operations.record(op.pk, owner=OWNER, result={"results": []})
     assert len(together) < len(one_by_one), (len(together), len(one_by_one))
-    assert advance_kicks() == sorted(op.task_id for op in batch + alone)
+    assert made_due() == sorted(op.task_id for op in batch + alone)
+    assert advance_kicks() == kicks_for(10) + kicks_for(1) * 10, "the batch's together, each alone's its own"
 
 
 # SQLite (the embedded mode) writes a batch's calls one statement each.
@@ -128,13 +141,14 @@ def test_a_batch_sends_as_many_statements_for_twenty_outcomes_as_for_one(acme, a
 
 def record_one_then_ten(one: Operation, ten: list[Operation]) -> tuple[list[str], list[str]]:
     """The statements (their start) sent to record the outcome of `one` alone, then those of `ten` together,
-    each the last call of its task's step: every task gets its kick."""
+    each the last call of its task's step: every task is made due, and kicked together."""
     OrmQ.objects.all().delete()
     with CaptureQueriesContext(connection) as for_one:
         assert operations.record_many([outcome(one)], owner=OWNER) == [True]
     with CaptureQueriesContext(connection) as for_ten:
         assert operations.record_many([outcome(op) for op in ten], owner=OWNER) == [True] * 10
-    assert advance_kicks() == sorted(op.task_id for op in [one, *ten])
+    assert made_due() == sorted(op.task_id for op in [one, *ten])
+    assert advance_kicks() == kicks_for(1) + kicks_for(10)
     return [q["sql"][:80] for q in for_one], [q["sql"][:80] for q in for_ten]
 
 

@@ -438,6 +438,18 @@ def stranded_tasks(rows: Rows, now: datetime) -> list[str]:
     return problems
 
 
+def tasks_without_a_kick(rows: Rows, now: datetime) -> list[str]:
+    """A task released with its next step due (nobody holds it) has a step kick on its way, due by then: its
+    own, or one that goes on to the task due longest (kicks.kick_steps), whose worker ends its turn kicking the
+    next. Waiting for the sweeper's safety net would be a stall of a minute, not progress. (A task whose holder
+    died is the sweeper's, or a kick's lease watch's: it is held, so not looked at here.)"""
+    kicks_at = sorted(OrmQ.objects.filter(key=kicks.queue_of("advance")).values_list("lock", flat=True))
+    return [f"task {t['pk']} {t['status']} is due at {t['next_run_at']:%H:%M:%S.%f} with no step kick on its way "
+            f"(kicks at {[f'{at:%H:%M:%S.%f}' for at in kicks_at]})"
+            for t in rows.tasks if t["status"] in CLAIMABLE and not t["lease_owner"] and t["next_run_at"] is not None
+            and not (kicks_at and kicks_at[0] <= max(t["next_run_at"], now))]
+
+
 def stranded_calls(rows: Rows) -> list[str]:
     """A task that ends closes its calls not yet taken, except the one telling a remote server to stop,
     which runs after the end (DESIGN §10). (A call a gateway job took and died holding is closed by the
@@ -647,6 +659,7 @@ class LivenessMachine(RuleBasedStateMachine):
         self.terminal: dict[int, str] = {}
         self.deaths = 0
         self.swept = False
+        self.kick_lost = False  # a lost kick's task waits for the sweeper: no longer a kick on its way
         self.seen: set[str] = set()
         self.remote_tasks = 0
         self.turn_elsewhere: psycopg.Connection | None = None  # the session of another process's gateway job
@@ -787,6 +800,7 @@ class LivenessMachine(RuleBasedStateMachine):
             take_and_run(row)
         elif fate == "lost":
             OrmQ.objects.filter(pk=row.pk).delete()
+            self.kick_lost = True
         else:
             run_message(row)
 
@@ -1000,6 +1014,8 @@ class LivenessMachine(RuleBasedStateMachine):
     def nothing_is_stranded(self, rows: Rows) -> None:
         now = self.now()
         problems = stranded_tasks(rows, now) + stranded_calls(rows) + stranded_outbox(rows, now) + sweeper_repairs(rows)
+        if not self.kick_lost:
+            problems += tasks_without_a_kick(rows, now)
         assert not problems, problems
         if self.swept:
             self.swept = False
