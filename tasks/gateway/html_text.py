@@ -36,6 +36,7 @@ def html_to_text(content: bytes, charset: str | None) -> tuple[str, str]:
     markup = UnicodeDammit(content, [charset] if charset else [], is_html=True).unicode_markup
     if markup is None or not markup.strip():
         return "", ""
+    markup = newlines_normalized(markup)
     # A parser a page (its error log is the page's), reading UnicodeDammit's text as UTF-8 bytes.
     parser = lxml.html.HTMLParser(encoding="utf-8", huge_tree=True)
     try:
@@ -48,6 +49,13 @@ def html_to_text(content: bytes, charset: str | None) -> tuple[str, str]:
         read = _read_soup(BeautifulSoup(markup, "html.parser"))
     title, text = read
     return title or next(iter(text.splitlines()), "")[:200], text
+
+
+def newlines_normalized(markup: str) -> str:
+    """CR LF and a lone CR made LF, as HTML reads a page before parsing it (its input stream's preprocessing).
+    libxml2 does so itself, html.parser does not: BeautifulSoup read a lone CR between two elements as a space
+    and lxml as a new line."""
+    return markup.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _read_tree(root: Any) -> tuple[str, str]:
