@@ -53,6 +53,12 @@ TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND
              "AND objsubid = 1 AND granted "
              # Advisory locks are the server's: another database's gateway job holds another turn.
              "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))")
+# A step's statement that stores calls looks at the turn before it commits: it holds this key's lock, shared, from
+# before that look until its commit, and a job giving the turn back takes it alone, so waits for such statements
+# (operations.end_gateway_turn). Its parameters: GATEWAY_GATE_KEY, GATEWAY_TURN_KEY. CASE takes the lock before
+# it looks: PostgreSQL runs the look at pg_locks (an InitPlan) when the result first needs it.
+GATEWAY_GATE_KEY = zlib.crc32(b"longhaul-gateway-gate")
+TURN_FREE_BEHIND_GATE = f"CASE WHEN pg_advisory_xact_lock_shared(%s) IS NOT NULL THEN {TURN_FREE} END"
 
 
 def steps_key(cluster: str) -> str:

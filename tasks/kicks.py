@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -29,8 +30,18 @@ from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
 from tasks import leases, prepared
-from tasks.broker import GATEWAY_TURN_KEY, TURN_FREE, gateway_key, jobs_waiting_params, jobs_waiting_sql, steps_key
+from tasks.broker import (
+    GATEWAY_GATE_KEY,
+    GATEWAY_TURN_KEY,
+    TURN_FREE,
+    TURN_FREE_BEHIND_GATE,
+    gateway_key,
+    jobs_waiting_params,
+    jobs_waiting_sql,
+    steps_key,
+)
 from tasks.models import Task
+from tasks.typed_sql import typed_param
 
 # The task a step kick names when it is for the task due longest, whichever that is by the time it runs.
 DUE_LONGEST = 0
@@ -90,9 +101,9 @@ def step_workers() -> int:
 
 
 def kick_calls(task_id: int, *, at: datetime) -> None:
-    """In the commit that requested the task's calls, due at `at` (inside its transaction, or right after a
-    step's statement that committed alone): a gateway job for them, unless the job holding the turn will
-    hear them.
+    """In the commit that requested the task's calls, due at `at` (inside its transaction): a gateway job for
+    them, unless the job holding the turn will hear them. (A step's statement that stores calls due now and
+    commits by itself kicks within it: calls_kick_in_move.)
 
     That job hears the commit (tasks/requested.py), and on its way out, once it has given the turn back, it
     kicks what is left (operations.kick_if_claimable); a kick would only run a job that is refused the turn,
@@ -108,6 +119,22 @@ def kick_calls(task_id: int, *, at: datetime) -> None:
     row = _message("operations", task_id, at=None, now=now)
     # robust: the step has committed whatever happens here; a kick lost is the sweeper's to make.
     transaction.on_commit(functools.partial(_kick_unless_turn_held, row), robust=True)
+
+
+def calls_kick_in_move(task_id: int) -> tuple[str, list[Any]]:
+    """The gateway kick of a step's statement that stores its calls, due now, and commits by itself (the step's
+    move, tasks/transitions.py, whose UPDATE this INSERT ... SELECT reads as `moved`), and its parameters: written
+    when the move wins, unless a job holds the turn. kick_calls looks after the commit, one statement more; this
+    look comes before the commit, so a job could give the turn back between the two and miss the calls in its
+    last look. The statement holds GATEWAY_GATE_KEY's lock, shared, from before its look until its commit, and a
+    job giving the turn back takes that lock alone before its last look (operations.end_gateway_turn): it waits
+    for each statement that saw the turn held, and then sees its calls."""
+    row = _message("operations", task_id, at=None, now=timezone.now())
+    fields = [OrmQ._meta.get_field(name) for name in ("key", "payload", "lock")]
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
+    sql = (f"INSERT INTO {OrmQ._meta.db_table} ({columns}) SELECT {', '.join(map(typed_param, fields))} "
+           f"FROM moved WHERE {TURN_FREE_BEHIND_GATE}")
+    return sql, [row.key, row.payload, row.lock, GATEWAY_GATE_KEY, GATEWAY_TURN_KEY]
 
 
 def _kick_unless_turn_held(row: OrmQ) -> None:

@@ -276,10 +276,14 @@ def take_gateway_turn() -> bool:
 
 
 def end_gateway_turn() -> None:
+    """Give the turn back; then wait for the step statements that saw it held, so that the look that follows
+    (kick_if_claimable) sees their calls: such a statement kicked no job for them (kicks.calls_kick_in_move)."""
     if connection.vendor != "postgresql":
         return
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_advisory_unlock(%s)", [GATEWAY_TURN_KEY])
+        cursor.execute("SELECT pg_advisory_lock(%s)", [broker.GATEWAY_GATE_KEY])
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [broker.GATEWAY_GATE_KEY])
 
 
 def waiting_task() -> Q:

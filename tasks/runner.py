@@ -375,14 +375,18 @@ def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[N
     else:
         assert step_done or not alone, "a step that counts for nothing adds its calls to the step before's (request())"
         calls = operations.new_calls(task, token=token, requests=outcome.requests, now=now, step=step) if alone else ()
+        # Stored by the move's own statement, which kicks a gateway job for them too (every call is due now, and
+        # none of their pools is paused: the move's guard).
+        kick = kicks.calls_kick_in_move(task.pk) if calls else None
         won = transitions.wait_for_operations(task, token=token, now=now, tool=_asks_for_tools(outcome), events=events,
-                                              step_done=step_done, guard=guard, checkpoint=checkpoint, calls=calls)
+                                              step_done=step_done, guard=guard, checkpoint=checkpoint, calls=calls,
+                                              also=kick)
+        if won and calls:
+            return True
     if not won:
         return False
-    if alone:
-        due = now  # every call is due now, and none of their pools is paused (the move's guard)
-    else:
-        due = operations.request(task, token=token, requests=outcome.requests, now=now, step=step, new_step=step_done)
+    due = now if alone else operations.request(task, token=token, requests=outcome.requests, now=now, step=step,
+                                               new_step=step_done)
     kicks.kick_calls(task.pk, at=due)
     return True
 

@@ -55,10 +55,11 @@ def _move(
     checkpoint: Checkpoint | None = None,
     alone: bool = False,
     calls: Sequence[Operation] = (),
+    also: tuple[str, list[Any]] | None = None,
 ) -> bool:
     """`checkpoint`: the step's, written by the transition's own UPDATE, only if it wins; so are `calls`, the
-    pending calls a step asks for. `alone`: the UPDATE commits by itself, outside any transaction
-    (commits_alone says when it may)."""
+    pending calls a step asks for, and `also` (see _update_reserving_seqs). `alone`: the UPDATE commits by
+    itself, outside any transaction (commits_alone says when it may)."""
     if task.status not in allowed_from:
         raise InvalidTransition(task.public_id, task.status, to)
     if alone:
@@ -79,7 +80,7 @@ def _move(
     # The events' rows are numbered 1..n here; the UPDATE that reserves their seqs numbers them for good.
     logged = unsaved(task, events, last=len(events), status=to, at=now)
     last_seq = _update_reserving_seqs(match, guard, sealed.wrap(Task, task.tenant_id, values), logged,
-                                      checkpoint=checkpoint, calls=calls, now=now)
+                                      checkpoint=checkpoint, calls=calls, now=now, also=also)
     if last_seq is None:
         return False
     was = task.status
@@ -112,13 +113,14 @@ def commits_alone(events: list[NewEvent]) -> bool:
 
 def _update_reserving_seqs(match: dict[str, Any], guard: Q | None, values: dict[str, Any], events: list[TaskEvent],
                            *, checkpoint: Checkpoint | None = None, calls: Sequence[Operation] = (),
-                           now: datetime | None = None) -> int | None:
+                           now: datetime | None = None, also: tuple[str, list[Any]] | None = None) -> int | None:
     """The transition's UPDATE of the row whose columns equal `match` (and meets `guard`), which also reserves
     the seqs of `events` on it (one statement where an UPDATE and then a seq bump were two) and, when it wins,
     writes them, `checkpoint` and `calls` (it then wins only while none of the calls' pools is paused at `now`:
     a pause is news the task's events tell, which the caller's locked commit writes). Returns the last seq
     reserved (the row's seq if there are no events), or None when the guard matched no row. `events` come
-    numbered from 1 and leave numbered for good.
+    numbered from 1 and leave numbered for good. `also` (PostgreSQL, with `calls`): one more statement of the
+    same, an INSERT ... SELECT ... FROM moved, and its parameters.
 
     On PostgreSQL the rows are inserted by the same statement, from the UPDATE's RETURNING: the UPDATE, the
     checkpoint, the events and the calls in one round trip. The statement is written here, its values prepared as
@@ -143,6 +145,10 @@ def _update_reserving_seqs(match: dict[str, Any], guard: Q | None, values: dict[
             model = type(group[0])
             ctes.append(f"saved_{model._meta.model_name} AS ({_insert_if_moved(model, len(group), reserved=count)})")
             params.extend(typed_sql.insert_params(model, _inserted_fields(model), group))
+    if also is not None:
+        assert calls, "the statement commits by itself only with calls"
+        ctes.append(f"also_inserted AS ({also[0]})")
+        params.extend(also[1])
     row = prepared.fetchone(f"WITH {', '.join(ctes)} SELECT {seq} FROM moved", params)
     if row is None:
         return None
@@ -418,12 +424,14 @@ def yield_slot(task: Task, *, token: int | None, now: datetime) -> bool:
 def wait_for_operations(
     task: Task, *, token: int, now: datetime, tool: bool, events: list[NewEvent], step_done: bool = True,
     guard: Q | None = None, checkpoint: Checkpoint | None = None, calls: Sequence[Operation] = (),
+    also: tuple[str, list[Any]] | None = None,
 ) -> bool:
     """running -> waiting_tool (tool calls) or running waiting for the model: no worker, no lease,
     not due until a gateway job has finished every requested operation. `guard`, `checkpoint`: as
     commit_step's. `calls`: the operations, stored by the same statement, which then commits alone
     (calls_commit_alone says when it may) and loses while one of their pools is paused; without them the
-    caller stores them in its transaction (operations.request)."""
+    caller stores them in its transaction (operations.request). `also`: with `calls`, one more INSERT of that
+    statement's, as _update_reserving_seqs takes it (their gateway kick: kicks.calls_kick_in_move)."""
     fields: dict[str, Any] = {**_released(), "next_run_at": None, "waiting_reason": "tool" if tool else "model",
                               "attempts": 0}
     if step_done:
@@ -431,7 +439,7 @@ def wait_for_operations(
     to = S.WAITING_TOOL if tool else S.RUNNING
     return _move(task, to, allowed_from={S.RUNNING}, now=now, token=token, fields=fields,
                  events=_waiting_events(events, tool=tool), guard=guard, checkpoint=checkpoint,
-                 alone=bool(calls), calls=calls)
+                 alone=bool(calls), calls=calls, also=also)
 
 
 def calls_commit_alone(events: list[NewEvent], *, tool: bool) -> bool:

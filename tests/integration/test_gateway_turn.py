@@ -3,6 +3,7 @@ over when the claiming job ends is kicked on to the next job."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -13,7 +14,7 @@ from django.utils import timezone
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
-from tasks import actions, jobs, operations, pools
+from tasks import actions, broker, jobs, operations, pools
 from tasks.models import Operation, Pool, Task
 from tasks.statuses import OperationStatus
 
@@ -101,3 +102,45 @@ def test_a_step_asking_for_calls_for_later_kicks_a_job_for_then_even_while_one_h
     [lock] = [row.lock for row in OrmQ.objects.all()
               if SignedPackage.loads(row.payload)["func"] == "tasks.jobs.run_operations"]
     assert lock > timezone.now() + timedelta(minutes=4)
+
+
+def test_a_job_giving_the_turn_back_waits_for_a_step_that_saw_it_held_and_then_sees_its_calls(
+        acme, alice, other_session):
+    """A step's statement that stores calls looks at the turn before it commits, and kicks no job while one holds
+    it (kicks.calls_kick_in_move). The job giving the turn back waits for such a statement to commit before its
+    last look, so that look sees the calls. Here the other session is that statement: it holds the gate, shared,
+    as the statement does from its look to its commit, and the call it stores is due only once it commits."""
+    task = waiting_for_its_plan(acme, alice)
+    call = Operation.objects.get(task=task)
+    Operation.objects.filter(pk=call.pk).update(not_before=timezone.now() + timedelta(hours=1))
+    OrmQ.objects.all().delete()
+    turn_taken, look_done = threading.Event(), threading.Event()
+
+    def the_job_holding_the_turn() -> None:
+        try:
+            assert operations.take_gateway_turn()
+            turn_taken.set()
+            operations.end_gateway_turn()
+            operations.kick_if_claimable()  # its last look
+            look_done.set()
+        finally:
+            connection.close()
+
+    job = threading.Thread(target=the_job_holding_the_turn)
+    job.start()
+    assert turn_taken.wait(10)
+    with other_session.transaction():
+        other_session.execute("SELECT pg_advisory_xact_lock_shared(%s)", [broker.GATEWAY_GATE_KEY])
+        other_session.execute("UPDATE tasks_operation SET not_before = NULL WHERE id = %s", [call.pk])
+        assert not look_done.wait(0.5), "the job looked before the step's statement committed"
+    job.join(10)
+
+    assert look_done.is_set()
+    assert gateway_kicks() == 1, "its last look saw the call the step stored, and kicked a job for it"
+
+
+def test_a_steps_statement_takes_the_gate_before_it_looks_at_the_turn():
+    # Looking for the very lock it takes: the look sees it only if the lock came first.
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT {broker.TURN_FREE_BEHIND_GATE}", [broker.GATEWAY_GATE_KEY, broker.GATEWAY_GATE_KEY])
+        assert cursor.fetchone() == (False,)
