@@ -227,7 +227,7 @@ def in_process(scope: h.Scope, steps: int) -> tuple[list[float], list[int]]:
             statements.append(len(queries.captured_queries))
         status = Task.objects.get(pk=task_id).status
         assert status == TaskStatus.SUCCEEDED, f"in-process task ended {status}"
-    h.purge_kicks({task_id}, set())
+    h.purge_kicks({task_id}, set(), task_arg_zero=True)
     return times, statements
 
 
@@ -251,7 +251,7 @@ def asking_for_calls(count: int) -> tuple[list[float], list[int]]:
         waiting = Operation.objects.filter(task_id__in=ids, name="plan", status="pending").count()
         assert waiting == count, f"{waiting} of {count} research tasks asked for their plan"
     finally:
-        h.purge_kicks(set(ids), set())
+        h.purge_kicks(set(ids), set(), task_arg_zero=True)
         scope.purge()
     return times, statements
 
@@ -261,14 +261,15 @@ def in_place(scope: h.Scope, steps: int) -> list[int] | None:
     included where there are any, with the probe for waiting work before it; None when work waiting in
     the broker made every step yield."""
     # Kicks our earlier tasks left (a lease watchdog's, say) would make every step yield.
-    h.purge_kicks(set(Task.objects.filter(tenant=scope.tenant).values_list("pk", flat=True)), set())
+    h.purge_kicks(set(Task.objects.filter(tenant=scope.tenant).values_list("pk", flat=True)), set(),
+                  task_arg_zero=True)
     with h.override(LONGHAUL_STEP_SLICE_MS=60_000):
         (task_id,), _ = submit_many(scope, 1, steps)
-        h.purge_kicks({task_id}, set())  # its own first kick: this process runs it
+        h.purge_kicks({task_id}, set(), task_arg_zero=True)  # its own first kick: this process runs it
         with CaptureQueriesContext(connection) as queries:
             jobs.advance(task_id)
         status = Task.objects.get(pk=task_id).status
-    h.purge_kicks({task_id}, set())
+    h.purge_kicks({task_id}, set(), task_arg_zero=True)
     if status != TaskStatus.SUCCEEDED:
         return None  # it yielded after its first step
     per_commit, count, in_transaction = [], 0, False
@@ -296,15 +297,16 @@ def going_on(scope: h.Scope, tasks: int, steps: int) -> float:
     """SQL statements a step costs when the worker goes on from task to task within its turn (tasks/runner.py):
     `tasks` tasks of `steps` steps, due together, run by one `advance` with the broker empty; the mean over
     all their steps, the first claim and every task's end included."""
-    h.purge_kicks(set(Task.objects.filter(tenant=scope.tenant).values_list("pk", flat=True)), set())
+    h.purge_kicks(set(Task.objects.filter(tenant=scope.tenant).values_list("pk", flat=True)), set(),
+                  task_arg_zero=True)
     with h.override(LONGHAUL_STEP_SLICE_MS=60_000):
         ids, _ = submit_many(scope, tasks, steps)
-        h.purge_kicks(set(ids), set())
+        h.purge_kicks(set(ids), set(), task_arg_zero=True)
         others = waiting_besides(ids)  # what would make the turn end early, read before it starts
         with CaptureQueriesContext(connection) as queries:
             jobs.advance(ids[0])
         done = Task.objects.filter(pk__in=ids, status=TaskStatus.SUCCEEDED).count()
-    h.purge_kicks(set(ids), set())
+    h.purge_kicks(set(ids), set(), task_arg_zero=True)
     assert done == tasks, f"going on: {done} of {tasks} tasks succeeded in one turn; waiting besides them: {others}"
     return len(queries.captured_queries) / (tasks * steps)
 
@@ -481,7 +483,8 @@ def run(*, tasks: int = 100, steps: int = 5, workers: int = 2, rounds: int = 4, 
             [("a step after a kick: claim (with the checkpoint, the last step's calls and what else waits), fenced "
               "commit, next kick"), f"median {h.median(statements):.0f} (min {min(statements)}, max {max(statements)})"],
             [("a step that asks for calls, after a kick: claim, the fenced statement (the move, its checkpoint and "
-              "events, and the calls, while none of their pools is paused), the gateway's kick, the turn's last look"),
+              "events, the calls while none of their pools is paused, and their gateway kick while no job holds the "
+              "turn), the turn's last look"),
              f"median {h.median(asking_statements):.0f} (max {max(asking_statements)})"],
         ]))
     report.add("Wake-ups", h.table(

@@ -306,6 +306,9 @@ Q_CLUSTER = {
     "catch_up": False,
     "label": "Worker queue",
 }
+# The workers that run steps, on every machine: a gateway batch that makes steps due kicks this many at most, each
+# for the task due longest (tasks/kicks.py), and their turns go on to the rest. One machine: its worker processes.
+LONGHAUL_STEP_WORKERS = envint("LONGHAUL_STEP_WORKERS", Q_CLUSTER["workers"], minimum=1)
 # Chat runs (answers, notifications) on a queue of their own, served by `manage.py worker --queue chat`
 # (django-q2 names a queue by its cluster); the same settings but for the workers and the label.
 LONGHAUL_CHAT_QUEUE = "longhaul-chat"

@@ -10,9 +10,10 @@ wait?" without counting the hints for tasks it may take from the task table itse
 those for calls that the gateway job holding the turn has heard of already.
 
 A step kick names its task, or DUE_LONGEST: then it is for whichever task has been due longest
-(kick_steps). Work that others carry on (a turn ended, a batch of steps made due) is kicked so: a
-worker takes the next in line, a task handed on waits its turn behind those due before it, and a
-kick whose task a turn took meanwhile costs one claim that finds nothing, not a look at who holds it.
+(kick_steps). Work that others carry on (a turn ended, a batch of steps made due, a claim that found
+more due and no kick waiting for a worker) is kicked so: a worker takes the next in line, a task handed
+on waits its turn behind those due before it, and a kick whose task a turn took meanwhile costs a claim
+that finds nothing and a look for rows other transactions held, not a look at who holds its task.
 """
 
 from __future__ import annotations
@@ -96,8 +97,8 @@ def kick_steps(count: int) -> None:
 
 
 def step_workers() -> int:
-    """How many workers run this cluster's steps (a batch of steps made due kicks as many)."""
-    return int(settings.Q_CLUSTER["workers"])
+    """How many workers run steps, on every machine (a batch of steps made due kicks as many at most)."""
+    return settings.LONGHAUL_STEP_WORKERS
 
 
 def kick_calls(task_id: int, *, at: datetime) -> None:
@@ -132,7 +133,8 @@ def calls_kick_in_move(task_id: int) -> tuple[str, list[Any]]:
     row = _message("operations", task_id, at=None, now=timezone.now())
     fields = [OrmQ._meta.get_field(name) for name in ("key", "payload", "lock")]
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
-    sql = (f"INSERT INTO {OrmQ._meta.db_table} ({columns}) SELECT {', '.join(map(typed_param, fields))} "
+    sql = (f"INSERT INTO {connection.ops.quote_name(OrmQ._meta.db_table)} ({columns}) "
+           f"SELECT {', '.join(map(typed_param, fields))} "
            f"FROM moved WHERE {TURN_FREE_BEHIND_GATE}")
     return sql, [row.key, row.payload, row.lock, GATEWAY_GATE_KEY, GATEWAY_TURN_KEY]
 
@@ -193,16 +195,14 @@ def waiting(*, now: datetime, besides: int) -> leases.Waiting:
     return leases.Waiting(jobs=bool(found_jobs), steps=bool(found_steps))
 
 
-def kick_advance(task_id: int) -> None:
-    """Ask a worker to run the task's next step now."""
-    kick("advance", task_id)
-
-
-def kick_first_due(*, now: datetime) -> bool:
-    """Kick for the task due longest, if a task is due that nobody holds; returns whether it did. A worker ends
-    its turn with this: whatever it left due (the tasks it released without a kick, or another turn's), the
-    worker the kick reaches goes on to the rest, so a due task always has a kick or a worker's turn on its way."""
-    if not leases.due(now).exists():
-        return False
+def kick_due_longest() -> None:
+    """Ask a worker to run the step due longest, now."""
     kick("advance", DUE_LONGEST)
-    return True
+
+
+def kick_first_due(*, now: datetime) -> None:
+    """Kick for the task due longest, if a task is due that nobody holds. A worker ends its turn with this:
+    whatever it left due (the tasks it released without a kick, or another turn's), the worker the kick
+    reaches goes on to the rest, so a due task always has a kick or a worker's turn on its way."""
+    if leases.due(now).exists():
+        kick_due_longest()

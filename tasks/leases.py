@@ -65,16 +65,27 @@ def claim_next(*, owner: str, now: datetime) -> Task | None:
     return _claim_in_one(owner=owner, now=now)
 
 
+CLAIM_ROUNDS = 3  # claim_due_longest's looks at the due rows other transactions held
+
+
 def claim_due_longest(*, owner: str, now: datetime) -> Task | None:
     """claim_next for a kick that is for the task due longest (kicks.DUE_LONGEST). When every due task is locked by
-    another transaction, the first of them is waited for, as a kick for one task waits (see claim): this kick
-    may be the only one on its way for them all, and a row locked by something other than a claim (a recorder
-    closing a call of a task already due, say) would otherwise wait for the sweeper."""
-    task = claim_next(owner=owner, now=now)
-    if task is not None:
-        return task
-    first = due(now).order_by("next_run_at", "pk").values_list("pk", flat=True).first()
-    return claim(first, owner=owner, now=now) if first is not None else None
+    another transaction, the first of them is waited for, as a kick for one task waits (see claim), and the
+    others looked at again once it is free: this kick may be the only one on its way for them all, and a row
+    locked by something other than a claim (a recorder closing a call of a task already due, say) would
+    otherwise wait for the sweeper. A row another worker claimed meanwhile has that worker's turn on its way,
+    which ends kicking the task due longest. A few rounds, then the sweeper."""
+    for _ in range(CLAIM_ROUNDS):
+        task = claim_next(owner=owner, now=now)
+        if task is not None:
+            return task
+        first = due(now).order_by("next_run_at", "pk").values_list("pk", flat=True).first()
+        if first is None:
+            return None
+        task = claim(first, owner=owner, now=now)
+        if task is not None:
+            return task
+    return None
 
 
 @dataclass(frozen=True)

@@ -76,11 +76,11 @@ class Turn:
     def lasts(self) -> bool:
         return not draining.is_set() and time.monotonic() < self.ends
 
-    def hand_on(self, task_id: int) -> None:
-        """Inside the step's commit of task `task_id`, released with its next step due: the kick that carries the
+    def hand_on(self) -> None:
+        """Inside the commit of a step whose task is released with its next step due: the kick that carries the
         work on (the turn ends). It is for the task due longest, not for this one: a task handed on waits behind
         the tasks due before it, whose kicks may be this one (kicks.kick_steps)."""
-        kicks.kick("advance", kicks.DUE_LONGEST)
+        kicks.kick_due_longest()
         self.handed_on = True
 
 
@@ -222,9 +222,9 @@ def _claim_still_says(resume: leases.Resume | None) -> leases.Waiting | None:
 
 
 def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepContext, *,
-            keep_lease: bool, hand_on: Callable[[int], None] | None = kicks.kick_advance,
+            keep_lease: bool, hand_on: Callable[[], None] | None = kicks.kick_due_longest,
             state_before: dict | None = None) -> Task | None:
-    """`hand_on` kicks a task released with its next step due now; None: no kick, the
+    """`hand_on` kicks for a task released with its next step due now (Turn.hand_on); None: no kick, the
     worker goes on to the task due longest (and kicks the task due longest when its turn ends)."""
     now = clock.now()
     events = [*ctx.events, *outcome.events]
@@ -241,8 +241,9 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
     elif (_asks_for_calls(outcome) and _due_now_at_the_gateway(outcome, now)
           and transitions.calls_commit_alone(events, tool=_asks_for_tools(outcome))
           and not _quiet(outcome, state_before, events, task.current_step)):
-        # A step that asks for calls a gateway job runs now (research): the move, its checkpoint, its events and
-        # the calls in one fenced statement that commits by itself, then the gateway's kick. It loses, writing
+        # A step that asks for calls a gateway job runs now (research): the move, its checkpoint, its events, the
+        # calls and their gateway kick (while no job holds the turn) in one fenced statement that commits by
+        # itself. It loses, writing
         # nothing, when the lease moved on, a stop or the slot back was asked for, or a pool of its calls is
         # paused (news the locked commit below writes with the move).
         if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED,
@@ -260,7 +261,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             if won:
                 if not keep_lease:
                     if hand_on is not None:
-                        hand_on(task.pk)
+                        hand_on()
                     return None
                 return task
         elif _asks_for_calls(outcome) and not tried and not _quiet(outcome, state_before, events, task.current_step):
@@ -320,7 +321,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
             return None
         if not keep:
             if hand_on is not None:
-                hand_on(task.pk)
+                hand_on()
             return None
         return fresh
 
@@ -385,8 +386,7 @@ def _wait_for_requests(task: Task, token: int, outcome: Continue, events: list[N
             return True
     if not won:
         return False
-    due = now if alone else operations.request(task, token=token, requests=outcome.requests, now=now, step=step,
-                                               new_step=step_done)
+    due = operations.request(task, token=token, requests=outcome.requests, now=now, step=step, new_step=step_done)
     kicks.kick_calls(task.pk, at=due)
     return True
 

@@ -114,12 +114,13 @@ def test_a_job_giving_the_turn_back_waits_for_a_step_that_saw_it_held_and_then_s
     call = Operation.objects.get(task=task)
     Operation.objects.filter(pk=call.pk).update(not_before=timezone.now() + timedelta(hours=1))
     OrmQ.objects.all().delete()
-    turn_taken, look_done = threading.Event(), threading.Event()
+    turn_taken, gate_held, look_done = threading.Event(), threading.Event(), threading.Event()
 
     def the_job_holding_the_turn() -> None:
         try:
             assert operations.take_gateway_turn()
             turn_taken.set()
+            assert gate_held.wait(10)
             operations.end_gateway_turn()
             operations.kick_if_claimable()  # its last look
             look_done.set()
@@ -130,8 +131,11 @@ def test_a_job_giving_the_turn_back_waits_for_a_step_that_saw_it_held_and_then_s
     job.start()
     assert turn_taken.wait(10)
     with other_session.transaction():
+        # The step's statement, while the job holds the turn: it takes the gate, sees the turn held (so kicks no
+        # job), stores its call, and has not committed yet when the job gives the turn back.
         other_session.execute("SELECT pg_advisory_xact_lock_shared(%s)", [broker.GATEWAY_GATE_KEY])
         other_session.execute("UPDATE tasks_operation SET not_before = NULL WHERE id = %s", [call.pk])
+        gate_held.set()
         assert not look_done.wait(0.5), "the job looked before the step's statement committed"
     job.join(10)
 

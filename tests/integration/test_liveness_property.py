@@ -659,7 +659,8 @@ class LivenessMachine(RuleBasedStateMachine):
         self.terminal: dict[int, str] = {}
         self.deaths = 0
         self.swept = False
-        self.kick_lost = False  # a lost kick's task waits for the sweeper: no longer a kick on its way
+        # When a kick was lost: its tasks wait for the sweeper, which kicks those due for KICK_GRACE.
+        self.kick_lost_at: datetime | None = None
         self.seen: set[str] = set()
         self.remote_tasks = 0
         self.turn_elsewhere: psycopg.Connection | None = None  # the session of another process's gateway job
@@ -800,7 +801,7 @@ class LivenessMachine(RuleBasedStateMachine):
             take_and_run(row)
         elif fate == "lost":
             OrmQ.objects.filter(pk=row.pk).delete()
-            self.kick_lost = True
+            self.kick_lost_at = self.now()
         else:
             run_message(row)
 
@@ -958,6 +959,8 @@ class LivenessMachine(RuleBasedStateMachine):
     def sweeper_runs(self):
         sweep(self.now())
         self.swept = True
+        if self.kick_lost_at is not None and self.now() - self.kick_lost_at >= sweeper.KICK_GRACE:
+            self.kick_lost_at = None  # it kicked every task due since before the loss
 
     # --- chat
 
@@ -1014,7 +1017,7 @@ class LivenessMachine(RuleBasedStateMachine):
     def nothing_is_stranded(self, rows: Rows) -> None:
         now = self.now()
         problems = stranded_tasks(rows, now) + stranded_calls(rows) + stranded_outbox(rows, now) + sweeper_repairs(rows)
-        if not self.kick_lost:
+        if self.kick_lost_at is None:
             problems += tasks_without_a_kick(rows, now)
         assert not problems, problems
         if self.swept:

@@ -286,7 +286,7 @@ def test_a_kick_for_the_task_due_longest_waits_for_a_due_task_another_transactio
 
 
 def test_a_batch_of_steps_made_due_kicks_as_many_workers_as_there_are(acme, alice, settings):
-    settings.Q_CLUSTER = {**django_settings.Q_CLUSTER, "workers": 3}
+    settings.LONGHAUL_STEP_WORKERS = 3
     settings.LONGHAUL_TASK_CALLS_IN_FLIGHT = 50
     waiting = [make_task(acme, alice, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1)
                for _ in range(5)]
