@@ -10,10 +10,10 @@ wait?" without counting the hints for tasks it may take from the task table itse
 those for calls that the gateway job holding the turn has heard of already.
 
 A step kick names its task, or DUE_LONGEST: then it is for whichever task has been due longest
-(kick_steps). Work that others carry on (a turn ended, a batch of steps made due, a claim that found
-more due and no kick waiting for a worker) is kicked so: a worker takes the next in line, a task handed
-on waits its turn behind those due before it, and a kick whose task a turn took meanwhile costs a claim
-that finds nothing and a look for rows other transactions held, not a look at who holds its task.
+(kick_steps). Work that others carry on (a turn ended, a task handed on, a batch of steps made due) is
+kicked so: a worker takes the next in line, a task handed on waits its turn behind those due before it,
+and a kick whose task a turn took meanwhile costs a claim that finds nothing and a look for rows other
+transactions held, not a look at who holds its task.
 """
 
 from __future__ import annotations
