@@ -17,6 +17,7 @@ from django_q.signing import SignedPackage
 from tasks import actions, broker, jobs, operations, pools
 from tasks.models import Operation, Pool, Task
 from tasks.statuses import OperationStatus
+from tests.integration.lock_waits import another_waits
 
 pytestmark = [pytest.mark.django_db(transaction=True),
               pytest.mark.skipif("connection.vendor != 'postgresql'", reason="advisory locks are PostgreSQL's")]
@@ -136,7 +137,9 @@ def test_a_job_giving_the_turn_back_waits_for_a_step_that_saw_it_held_and_then_s
         other_session.execute("SELECT pg_advisory_xact_lock_shared(%s)", [broker.GATEWAY_GATE_KEY])
         other_session.execute("UPDATE tasks_operation SET not_before = NULL WHERE id = %s", [call.pk])
         gate_held.set()
-        assert not look_done.wait(0.5), "the job looked before the step's statement committed"
+        waits = another_waits(lambda sql, params: other_session.execute(sql, params).fetchone(),
+                              other_session.info.backend_pid)
+        assert waits and not look_done.is_set(), "the job looked before the step's statement committed"
     job.join(10)
 
     assert look_done.is_set()

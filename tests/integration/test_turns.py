@@ -20,6 +20,7 @@ from tasks import broker, clock, jobs, kicks, leases, operations, runner
 from tasks.models import Checkpoint, Task
 from tasks.statuses import TaskStatus
 from tests.factories import make_task, submit_sleep
+from tests.integration.lock_waits import another_waits
 from tests.integration.test_pools import call
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -261,26 +262,31 @@ def test_a_kick_for_the_task_due_longest_waits_for_a_due_task_another_transactio
     # say): claim_next skips it, and this kick may be the only one on its way for it.
     task = submit_sleep(acme, alice, steps=1)
     OrmQ.objects.all().delete()
-    locked, release = threading.Event(), threading.Event()
+    locked, job_waited = threading.Event(), []
 
-    def hold_the_row() -> None:
+    def hold_the_row_until_the_job_waits_for_it() -> None:
         try:
-            with transaction.atomic():
+            with transaction.atomic(), connection.cursor() as cursor:
                 Task.objects.select_for_update().get(pk=task.pk)
                 locked.set()
-                release.wait(10)
+
+                def fetchone(sql: str, params: list) -> tuple:
+                    cursor.execute(sql, params)
+                    return cursor.fetchone()
+
+                job_waited.append(another_waits(fetchone, connection.connection.info.backend_pid))
         finally:
             connection.close()
 
-    holder = threading.Thread(target=hold_the_row)
+    holder = threading.Thread(target=hold_the_row_until_the_job_waits_for_it)
     holder.start()
     assert locked.wait(10)
     assert leases.claim_next(owner="worker:2", now=clock.now()) is None, "skipped while locked"
-    threading.Timer(0.2, release.set).start()
 
     jobs.advance(kicks.DUE_LONGEST)
-    holder.join(10)
+    holder.join(20)
 
+    assert job_waited == [True], "the job waited for the row"
     task.refresh_from_db()
     assert task.status == TaskStatus.SUCCEEDED
 
