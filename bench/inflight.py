@@ -537,11 +537,13 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
     cpu_rows.append([f"the machine's {os.cpu_count()} cores, busy", f"{cores_busy:.1f} of {window:.1f}",
                      share(cores_busy)])
     saturated, seconds = sampler.busy_seconds(at_least=SATURATED)
-    per_step_ms = spent[ROLES[1]] / steps * 1000 if steps else 0.0
+    # The whole task cluster's: a worker that runs a gateway job on a thread runs steps beside it.
+    calls_made = sum(len(waits[f"{kind} call: claimed -> result recorded"]) for kind in ("model", "tool"))
+    per_step_ms = (spent[ROLES[0]] + spent[ROLES[1]]) / steps * 1000 if steps else 0.0
     report.add("Where the CPU went from the first model call out to the end", h.table(
         ["part", "CPU seconds", "share of the cores' time"], cpu_rows)
-        + f"\n\nThe task cluster's processes besides the gateway's used {per_step_ms:.1f} ms of CPU per step "
-        f"committed ({steps} steps). "
+        + f"\n\nThe task cluster's processes, the gateway's included, used {per_step_ms:.1f} ms of CPU per step "
+        f"committed ({steps} steps, and the {calls_made:,} calls they asked for). "
         f"The cores were at least {SATURATED:.0%} busy in {saturated} of the {seconds} whole seconds sampled "
         "(/proc/stat every 0.2 s). Each process's CPU time is read from /proc/<pid>/stat every second; one that "
         "ended between two reads (a worker django-q2 recycled) loses what it used since the last.")
@@ -590,9 +592,9 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
-            f"Why a task waits for its next step: the gateway job holds one of the {workers} worker processes for "
-            f"its slice, so the other runs every step: {steps_per_s:.0f} steps/s over the run, and {busiest} in its "
-            f"busiest second, when a backlog kept it going from task to task. Results arrive in waves (the {tasks} "
+            f"Why a task waits for its next step: the {workers} worker processes run the steps, one of them beside "
+            f"the gateway job's thread: {steps_per_s:.0f} steps/s over the run, and {busiest} in the "
+            f"busiest second, when a backlog kept them going from task to task. Results arrive in waves (the {tasks} "
             "plan answers within a second or two of each other, then their searches, and so on), and a wave's next "
             f"steps queue: {tasks} of them take {tasks / busiest if busiest else 0:.1f} s to drain at that pace, so "
             "the median task of a wave waits about half that. The wait is the steps' queue, not the hand-off (a kick "
@@ -604,14 +606,8 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             f"{'process' if gateways == 1 else f'{gateways} processes'} that ran the gateway took "
             f"{share(spent[ROLES[0]])}, the task cluster's others {share(spent[ROLES[1]])} and PostgreSQL "
             f"{share(spent[ROLES[3]])}, and this benchmark's fakes, which stand for other machines, "
-            f"{share(spent[ROLES[4]])} (the table above). The worker that runs the steps spends its time on its own "
-            f"CPU as much as on its statements: the cluster's processes besides the gateway's used {per_step_ms:.1f} "
-            f"ms of CPU a step, where its busiest second took {1000 / busiest if busiest else 0:.1f} ms a step. "
-            "More step capacity moves the wait to the calls: with a "
-            "third worker process (measured once, --workers 3, with the claim reading the last step's calls) the next "
-            "step came in 117 ms at the median, the cores were at least 90% busy in 3 of 11 seconds, the waves of "
-            "visits came sooner and bunched at their pool's 400, tool calls waited 764 ms to be claimed, and the run "
-            "took 14.2 s (13.8 s with two).")
+            f"{share(spent[ROLES[4]])} (the table above): the task cluster used {per_step_ms:.1f} ms of CPU a step, "
+            "its calls' share included.")
     return report
 
 

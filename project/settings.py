@@ -283,7 +283,8 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 # --- django-q2: the transport. The Task table is the truth. ---------------------
-# A gateway job may run calls for its slice plus one operation lease: keep the timeout above that.
+# The longest a job may run. A gateway job runs its calls on a thread beside the worker's jobs, for its slice plus
+# one operation lease at most; a thread still running after this timeout ends its process (tasks/gateway_thread.py).
 Q_WORKER_TIMEOUT = envint("LONGHAUL_Q_TIMEOUT", 300, minimum=1)
 Q_RETRY = envint("LONGHAUL_Q_RETRY", 330, minimum=2)
 if Q_WORKER_TIMEOUT >= Q_RETRY:
@@ -300,6 +301,8 @@ Q_CLUSTER = {
     "retry": Q_RETRY,
     "poll": envfloat("LONGHAUL_Q_POLL", 0.05, minimum=0.01),
     "bulk": envint("LONGHAUL_Q_BULK", 2, minimum=1),
+    # Jobs a worker process runs before django-q2 replaces it (django-q2's default).
+    "recycle": envint("LONGHAUL_Q_RECYCLE", 500, minimum=1),
     "ack_failures": True,
     "max_attempts": 1,
     "save_limit": 200,

@@ -22,7 +22,8 @@ RESERVED = 64  # the worker's own files: database connections (three per job), l
 
 
 def calls_at_most(cap: int) -> int:
-    """The calls a gateway job may keep out at once: `cap`, or fewer if the open-file limit is too low."""
+    """The calls a process's gateway jobs may keep out at once, together (operations.calls_out): `cap`, or fewer
+    if the open-file limit is too low."""
     soft = _raised_soft_limit(cap * SOCKETS_PER_CALL + RESERVED)
     allowed = max(1, (soft - RESERVED) // SOCKETS_PER_CALL)
     if allowed < cap:

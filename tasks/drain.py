@@ -6,9 +6,10 @@ The graceful path is SIGTERM to the qcluster main process (honcho, `kill PID`,
 worker finish its job, then exits. When SIGTERM reaches every process of the
 service at once (systemd's default KillMode=control-group), django-q2's own
 supervisor dies with it; each worker then notes the signal, finishes the job in
-hand (which releases its lease) and exits, instead of dying mid-step. A gateway job stops
-claiming and gives its calls in flight GATEWAY_GRACE_SECONDS; a call still out then (a remote
-server that hangs) is released for another worker, under the same key, rather than waited for.
+hand (which releases its lease) and exits, instead of dying mid-step. A gateway job (on a thread
+beside the worker's jobs) stops claiming and gives its calls in flight GATEWAY_GRACE_SECONDS; a call
+still out then (a remote server that hangs) is released for another worker, under the same key,
+rather than waited for; the process exits once both are done.
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 draining = threading.Event()
-_job_running = threading.Lock()
+# Jobs in progress in this process: a worker's job on its main thread, and its gateway job's thread beside it
+# (tasks/gateway_thread.py). The process exits only when none is.
+_jobs_changed = threading.Condition()
+_jobs_running = 0
+# Set when the process is about to end by itself (django-q2 recycled or stopped its worker): a job on another
+# thread claims nothing new and finishes what it has.
+ending = threading.Event()
 # How long a draining gateway job lets its calls in flight finish before it hands them back
 # (tasks/operations.py); well inside the supervisor's drain timeout (tasks/supervisor.py DRAIN_SECONDS).
 GATEWAY_GRACE_SECONDS = 3.0
@@ -46,8 +53,35 @@ def grace_over() -> bool:
 
 @contextmanager
 def job() -> Iterator[None]:
-    """Marks a job in progress, so a draining worker exits only between jobs."""
-    with _job_running:
+    """Marks a job in progress, so a draining worker exits only between jobs. Jobs on several threads may be in
+    progress at once; once the process is about to exit, a new one waits for that."""
+    job_began()
+    try:
+        yield
+    finally:
+        job_ended()
+
+
+def job_began() -> None:
+    """A job is in progress from now (job() where it begins and ends on one thread; a job handed to a thread
+    begins on the thread that hands it over, so no exit comes between the two)."""
+    global _jobs_running
+    with _jobs_changed:
+        _jobs_running += 1
+
+
+def job_ended() -> None:
+    global _jobs_running
+    with _jobs_changed:
+        _jobs_running -= 1
+        _jobs_changed.notify_all()
+
+
+@contextmanager
+def between_jobs() -> Iterator[None]:
+    """Once no job is in progress, and while the block runs, none starts."""
+    with _jobs_changed:
+        _jobs_changed.wait_for(lambda: _jobs_running == 0)
         yield
 
 
@@ -68,6 +102,6 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 
 def _exit_between_jobs() -> None:
-    with _job_running:
+    with between_jobs():
         logging.shutdown()
         os._exit(0)

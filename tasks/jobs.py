@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
-from tasks import clock, drain, kicks, leases, notifications, operations, runner, sweeper
+from tasks import clock, drain, gateway_thread, kicks, leases, notifications, runner, sweeper
 from tasks.models import Task
 from tasks.statuses import CLAIMABLE
 
@@ -36,16 +36,18 @@ def advance(task_id: int) -> None:
 
 
 def run_operations(task_id: int) -> None:
-    """A gateway job: run due model and tool calls (of any task; the id is only who asked).
+    """A gateway job: run due model and tool calls (of any task; the id is only who asked), on a thread beside
+    this worker's jobs (tasks/gateway_thread.py), and return: the worker takes the next job while the calls
+    are out. Nothing to start while a thread of this process holds the turn: it claims them.
 
     On PostgreSQL only one gateway job claims at a time; a job that finds another claiming
-    returns at once and frees its worker for steps (see tasks/operations.py)."""
+    ends at once (see tasks/operations.py)."""
     with drain.job():
         if drain.draining.is_set():
             kicks.kick("operations", task_id)
             return
-        if operations.run_due() is None:
-            log.debug("gateway job for task %s: another job is claiming", task_id)
+        if not gateway_thread.start():
+            log.debug("gateway job for task %s: this process's gateway thread holds the turn", task_id)
 
 
 def deliver(task_id: int) -> None:

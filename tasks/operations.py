@@ -17,10 +17,11 @@ requested in the very transaction that ends the task, and a remote job whose too
 finished after its task had ended is stopped the same way.
 
 On PostgreSQL one gateway job claims at a time per database (a session advisory lock):
-one event loop keeps hundreds of calls in flight, so a second job would only hold a
-second worker process for its whole slice while step kicks queue behind both. A job
+one event loop keeps hundreds of calls in flight, and a second would only split them. A job
 that finds the lock taken returns at once; the holder kicks again on its way out if
-work is left, so nothing waits for the sweeper while a holder lives.
+work is left, so nothing waits for the sweeper while a holder lives. A worker runs the job's
+event loop on a thread beside its own jobs (tasks/gateway_thread.py), so the calls out hold
+no worker: the steps their results make due have every worker process of the machine.
 """
 
 from __future__ import annotations
@@ -263,7 +264,7 @@ def take_gateway_turn() -> bool:
     The job that takes the turn withdraws the gateway kicks due now: it claims their calls
     next, and each would only run a job that is refused the turn (kicks.withdraw_gateway_kicks).
     """
-    # A refused job keeps its connection for the next one; drop it if it has gone bad meanwhile.
+    # The caller's connection (a gateway job's own, operations.pump) may have gone bad since its last use: drop it.
     close_old_connections()
     if connection.vendor != "postgresql":
         return True
@@ -1026,32 +1027,45 @@ def release(*, owner: str) -> int:
         status=OperationStatus.PENDING, lease_owner="", lease_expires_at=None, started_at=None)
 
 
-async def pump(*, owner: str, run_for: float) -> int | None:
+async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = lambda: None,
+               stopped_claiming: Callable[[], None] = lambda: None) -> int | None:
     """Claim and run operations until none are due or `run_for` seconds have passed; returns how
-    many ran, or None when another job holds the gateway turn."""
+    many ran, or None when another job holds the gateway turn. `took_turn` is called once the job
+    holds the turn, `stopped_claiming` once it claims no more (it may still wait for its calls out).
+
+    The turn is held on the claims' own connection: in a process whose next job starts while this one
+    waits for its last calls (tasks/gateway_thread.py), each job's turn is a session of its own, so the
+    next is refused while this one holds it, and closing one job's connections drops no other's turn."""
     import httpx2
 
-    if not await sync_to_async(take_gateway_turn)():
+    claims = DatabaseThread("gateway-claims")
+    holding = False
+    try:
+        holding = await claims.run(take_gateway_turn)
+    finally:
+        if not holding:
+            await claims.close()
+    if not holding:
         return None
-    holding = True
     in_flight: set[asyncio.Task[None]] = set()
     watchdog = Watchdog()
     recorder = Recorder(owner)
     listener = requested.Listener()
-    claims = DatabaseThread("gateway-claims")
     ran = 0
     cap = calls_at_most(settings.LONGHAUL_GATEWAY_INFLIGHT)
     # httpx2's default pool holds 100 connections whatever the cap says. Each client may open them all (the
-    # job's own cap bounds the calls out), and keeps its share open between calls.
+    # process's cap bounds the calls out), and keeps its share open between calls.
     pool = httpx2.Limits(max_connections=cap, max_keepalive_connections=-(-cap // CLIENT_SHARDS))
     try:
+        took_turn()
+        CALLS_OUT[id(in_flight)] = in_flight
         await listener.start(await sync_to_async(requested.conninfo)())
         async with contextlib.AsyncExitStack() as clients_open:
             clients = [await clients_open.enter_async_context(httpx2.AsyncClient(
                 follow_redirects=False, limits=pool, verify=_tls_context())) for _ in range(CLIENT_SHARDS)]
             stop_claiming = time.monotonic() + run_for  # the slice starts once the job can claim
             while True:
-                claiming = time.monotonic() < stop_claiming and not draining.is_set()
+                claiming = time.monotonic() < stop_claiming and not draining.is_set() and not drain.ending.is_set()
                 if draining.is_set() and in_flight and drain.grace_over():
                     # The worker is stopping: calls still out are handed to another worker, not waited for.
                     await _hand_back(in_flight, owner=owner, recorder=recorder)
@@ -1059,12 +1073,13 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                     break
                 if holding and not claiming and in_flight:
                     # The slice is over: let the next job claim while this one waits for its last calls.
-                    await sync_to_async(end_gateway_turn)()
+                    await claims.run(end_gateway_turn)
                     holding = False
+                    stopped_claiming()
                     await listener.stop()
                     await claims.close()
                     await sync_to_async(kick_if_claimable)()
-                room = cap - len(in_flight)
+                room = cap - calls_out()
                 batch, anything_due = [], True
                 if room > 0 and claiming:
                     listener.heard.clear()  # before the claim: a commit heard during it calls for another
@@ -1075,13 +1090,17 @@ async def pump(*, owner: str, run_for: float) -> int | None:
                             retries=retries.get(op.task_id, 0))))
                     ran += len(batch)
                 if not in_flight:
-                    break
+                    if not (claiming and room <= 0):
+                        break
+                    # The process's other job, waiting for its last calls, fills the cap: look again once some end.
+                    await asyncio.sleep(requested.LOOK_EVERY)
+                    continue
                 # Until a call ends, calls are requested (while there is room to claim them), or it is time to look.
                 # After a claim that found calls due but took none (their pools full or held back), what is heard
                 # waits for a call to end or that look: it could only be held back too. After one that found
                 # nothing due, what is heard is the only thing to claim.
                 listen = (claiming and (bool(batch) or not anything_due)
-                          and len(in_flight) < cap)
+                          and calls_out() < cap)
                 heard = asyncio.create_task(listener.heard.wait()) if listen else None
                 done, _ = await asyncio.wait({*in_flight, *([heard] if heard else [])}, timeout=requested.LOOK_EVERY,
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -1102,14 +1121,28 @@ async def pump(*, owner: str, run_for: float) -> int | None:
         finally:
             try:
                 if holding:
-                    await sync_to_async(end_gateway_turn)()
+                    await claims.run(end_gateway_turn)
+                    holding = False
+                stopped_claiming()
                 # Also after a late drain: calls due when the pool was full (of this job's calls) wait for a kick.
                 await sync_to_async(kick_if_claimable)()
             finally:
+                CALLS_OUT.pop(id(in_flight), None)
                 # This loop's database connections live in asgiref's thread and the claims' thread: give them back.
                 await claims.close()
                 await sync_to_async(connections.close_all)()
     return ran
+
+
+# The calls out with each gateway job of this process. The cap (LONGHAUL_GATEWAY_INFLIGHT) and the open files it
+# asks for (tasks/descriptors.py) are the process's, and a job waiting for its last calls may run beside the next
+# (tasks/gateway_thread.py), on another thread: each reads the others' sets (by id), whose len() is atomic.
+CALLS_OUT: dict[int, set[asyncio.Task[None]]] = {}
+
+
+def calls_out() -> int:
+    """The calls out with this process's gateway jobs."""
+    return sum(map(len, list(CALLS_OUT.values())))
 
 
 @functools.cache
@@ -1154,11 +1187,12 @@ def _claim_for(owner: str, limit: int, watchdog: Watchdog) -> tuple[list[Operati
     return batch, retries_left(op.task_id for op in batch), anything_due
 
 
-def run_due(*, run_for: float | None = None) -> int | None:
+def run_due(*, run_for: float | None = None, took_turn: Callable[[], None] = lambda: None,
+            stopped_claiming: Callable[[], None] = lambda: None) -> int | None:
     """The gateway job's body: one event loop running many calls at once (None: another job had the turn)."""
     owner = leases.worker_identity()
     return asyncio.run(pump(owner=owner, run_for=settings.LONGHAUL_GATEWAY_SLICE_SECONDS if run_for is None
-                            else run_for))
+                            else run_for, took_turn=took_turn, stopped_claiming=stopped_claiming))
 
 
 def due_exists(now: datetime) -> bool:

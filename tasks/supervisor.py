@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 REPLACE_EXIT = 75  # EX_TEMPFAIL: the guard's exit code asking the main process to start afresh
 STALL_SECONDS = 30.0  # above django-q2's own pusher back-off (10 s after a broker error)
-DRAIN_SECONDS = 10.0  # ample for an ordinary step; a worker busy for longer is killed, and its lease expires
+# Ample for an ordinary step, and for a gateway thread's grace before it hands its calls back (tasks/drain.py);
+# a worker busy for longer is killed, and its leases expire.
+DRAIN_SECONDS = 10.0
 PUSHER_SECONDS = 2.0  # above the longest wait of an idle pusher for a kick (tasks/broker.py: LISTEN_WAIT_SECONDS)
 PROBE_EVERY = 1.0
 _PR_SET_PDEATHSIG = 1

@@ -10,6 +10,7 @@ from django.test import Client
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
+from tasks import gateway_thread
 from tasks.heartbeat import heartbeat
 from tasks.models import Membership, Tenant
 
@@ -24,6 +25,15 @@ def _test_settings(settings):
     # which SQLite's reused primary keys would otherwise share between tests.
     settings.CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache",
                                    "LOCATION": f"test-{uuid.uuid4()}"}}
+
+
+@pytest.fixture(autouse=True)
+def _gateway_threads_end_with_their_test():
+    """A gateway job a test ran through its job function goes on on a thread of its own (tasks/gateway_thread.py):
+    it ends before the next test, whose tables it would otherwise read."""
+    yield
+    gateway_thread.join(timeout=120)  # its calls time out well before: a thread still running is a failure to see
+    assert not gateway_thread.may_claim(), "a gateway thread of this test still holds the turn"
 
 
 @pytest.fixture(autouse=True)

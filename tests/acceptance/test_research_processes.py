@@ -10,10 +10,12 @@ from collections import Counter
 
 import pytest
 from django.db import connection, transaction
+from django_q.models import OrmQ
 
-from tasks import actions
+from tasks import actions, jobs, kicks
 from tasks.models import Checkpoint, Operation, Task, TaskEvent
 from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
+from tests.factories import submit_sleep
 from tests.fakes.openai_server import FakeOpenAI, Reply, prompt_of, purpose_of, research_reply
 from tests.processes import qcluster, wait_until
 
@@ -82,8 +84,55 @@ def test_it_keeps_20_model_calls_in_flight_for_50_research_tasks_on_2_workers(ac
     assert_gapless(ids)
 
 
+def test_a_worker_runs_steps_while_its_gateway_job_has_calls_out(acme, alice, log_dir):
+    """One worker process. A research task's plan call is held at the model server, out with the gateway job,
+    when a sleep task is submitted: the worker runs its steps to the end while the call is still out (the job
+    runs on a thread of its own and frees the worker at once), and the research task goes on once it answers."""
+    with FakeOpenAI(default=Reply(content=research_reply)) as server:
+        gate = server.hold(lambda body: purpose_of(body) == "plan")
+        [researching] = submit_research(acme, alice, QUESTIONS[:1])
+        with qcluster(log_dir, workers=1, **openai_env(server, LONGHAUL_STEP_SLICE_MS="0")):
+            wait_until(lambda: server.held == 1, timeout=60, interval=0.1, message="the plan call held at the server")
+            sleeping = submit_sleep(acme, alice, steps=3)
+            wait_until(lambda: all_terminal([sleeping.pk]), timeout=60, interval=0.1, message="the sleep task's end")
+            assert server.held == 1, "the plan call was still out"
+            assert Operation.objects.get(task_id=researching, name="plan").status == OperationStatus.STARTED
+            gate.set()
+            wait_until(lambda: all_terminal([researching]), timeout=90, interval=0.2, message="the research's end")
+    assert Task.objects.get(pk=sleeping.pk).status == TaskStatus.SUCCEEDED
+    assert Task.objects.get(pk=researching).status == TaskStatus.SUCCEEDED
+
+
+def test_a_worker_replaced_while_its_gateway_thread_has_calls_out_records_them_first(acme, alice, log_dir):
+    """django-q2 replaces a worker after LONGHAUL_Q_RECYCLE jobs (here 2): the gateway job, then a step. The
+    gateway job returned while its call was out; the process, ending after the step, claims nothing new and
+    waits for its thread to record the call's answer (Python's exit would otherwise shut the thread pools that
+    work goes through, and the answer would be lost until the call's lease ran out)."""
+    with FakeOpenAI(default=Reply(content=research_reply)) as server:
+        gate = server.hold(lambda body: purpose_of(body) == "plan")
+        [researching] = submit_research(acme, alice, QUESTIONS[:1])
+        jobs.advance(researching)  # here, so its plan call's gateway kick is the cluster's first job
+        OrmQ.objects.filter(key=kicks.queue_of("advance")).delete()  # the submission's kick, spent by that step
+        assert OrmQ.objects.count() == 1
+        env = openai_env(server, LONGHAUL_Q_RECYCLE="2", Q_LOG_LEVEL="INFO", LONGHAUL_STEP_SLICE_MS="0")
+        with qcluster(log_dir, workers=1, **env) as cluster:
+            wait_until(lambda: server.held == 1, timeout=60, interval=0.1, message="the plan call held at the server")
+            sleeping = submit_sleep(acme, alice, steps=1)  # the worker's second job
+            wait_until(lambda: all_terminal([sleeping.pk]), timeout=60, interval=0.1, message="the sleep task's end")
+            wait_until(lambda: "stopped doing work" in cluster.output(), timeout=30, interval=0.1,
+                       message="the worker to end its work")
+            assert server.held == 1
+            gate.set()
+            wait_until(lambda: all_terminal([researching]), timeout=120, interval=0.2, message="the research's end")
+            output = cluster.output()
+    assert Task.objects.get(pk=researching).status == TaskStatus.SUCCEEDED
+    plan = Operation.objects.get(task_id=researching, name="plan")
+    assert (plan.status, plan.attempts) == (OperationStatus.SUCCEEDED, 1), "the answer was recorded by the first job"
+    assert "gateway job failed" not in output, output[-3000:]
+
+
 # Short operation leases and gateway slices so the killed cluster's calls are taken over within
-# seconds; django-q2's timeout covers a whole gateway job (slice + its last calls), below its retry.
+# seconds, and django-q2's retry (its timeout below it) so the killed cluster's messages come back soon.
 FAST_RECOVERY = {
     "LONGHAUL_GATEWAY_SLICE_SECONDS": "2",
     "LONGHAUL_OPERATION_LEASE_SECONDS": "10",

@@ -839,6 +839,7 @@ def test_a_cancel_asked_for_during_a_tasks_last_step_loses_to_its_finished_resul
 
     task.refresh_from_db()
     assert task.status == TaskStatus.SUCCEEDED, "the work is done and recorded: a late cancel loses to it"
-    assert [q["sql"] for q in queries.captured_queries if "FOR UPDATE" in q["sql"]], "decided under the row lock"
+    if connection.vendor == "postgresql":  # SQLite has no row locks: its IMMEDIATE transaction holds every row
+        assert [q["sql"] for q in queries.captured_queries if "FOR UPDATE" in q["sql"]], "decided under the row lock"
     assert list(Checkpoint.objects.filter(task=task).values_list("step", flat=True)) == [1]
     assert list(task.events.values_list("seq", flat=True)) == list(range(1, task.last_event_seq + 1))

@@ -55,9 +55,9 @@ from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 from hypothesis import HealthCheck
 from hypothesis import event as hypothesis_event
-from hypothesis.control import currently_in_test_context
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 import chat.agent
@@ -66,7 +66,19 @@ from chat import jobs as chat_jobs
 from chat import runs
 from chat.models import Message, Run, Thread, ThreadItem
 from chat.streams import STATUS_CHANGE_KINDS, number_new_items
-from tasks import actions, clock, deletion, kicks, leases, notifications, operations, requested, runner, sweeper
+from tasks import (
+    actions,
+    clock,
+    deletion,
+    gateway_thread,
+    kicks,
+    leases,
+    notifications,
+    operations,
+    requested,
+    runner,
+    sweeper,
+)
 from tasks.errors import Conflict, RateLimited
 from tasks.models import Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, Pool, SleepEffect, Task, TaskEvent
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
@@ -371,6 +383,7 @@ def run_message(row: OrmQ) -> None:
     """What a django-q2 worker does with a message: call its function."""
     package = SignedPackage.loads(row.payload)
     import_string(package["func"])(*package["args"], **package.get("kwargs", {}))
+    gateway_thread.join()  # a gateway job runs on a thread of its own: its rule ends with it
 
 
 def take_and_run(row: OrmQ) -> None:
