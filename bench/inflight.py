@@ -228,7 +228,7 @@ class CpuUse:
 
 
 ROLES = ("the worker processes that ran a gateway job (with any steps they ran besides)",
-         "the task cluster's other processes (the worker that ran the steps; the guard, pusher and monitor)",
+         "the task cluster's other processes (workers that ran steps and no gateway job; the guard, pusher, monitor)",
          "the chat service's cluster", "PostgreSQL (every postgres process)",
          "this benchmark's process (the fake model server, the search site and its pages, the sampler)",
          "the rest of the machine")
