@@ -619,8 +619,8 @@ def run(*, tasks: int = 10_000, probes: int = 200, mcp_probes: int = 20, interva
             + f"\n\nSampled every {sampler.interval:g} s ({sampler.samples} samples) from /proc/<pid>/status and "
               "smaps_rollup. RSS counts the pages a forked worker still shares with its parent; PSS divides them among "
               "the sharers, so it sums. Peak RSS (VmHWM) of each worker process over the whole run: "
-              f"{', '.join(_mib(kb) for kb in peak) or 'n/a'} MiB. django-q2 recycles a worker after 500 jobs (its "
-              "default `recycle`; Q_CLUSTER sets none), so a long phase lists the workers that replaced the first two.")
+              f"{', '.join(_mib(kb) for kb in peak) or 'n/a'} MiB. django-q2 recycles a worker after 500 jobs "
+              "(LONGHAUL_Q_RECYCLE, django-q2's default), so a long phase lists the workers that replaced the first two.")
         rows = []
         for s in measured:
             got = sampler.sessions.get(str(s), Counter())

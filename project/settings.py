@@ -283,8 +283,8 @@ else:
     CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
 
 # --- django-q2: the transport. The Task table is the truth. ---------------------
-# The longest a job may run. A gateway job runs its calls on a thread beside the worker's jobs, for its slice plus
-# one operation lease at most; a thread still running after this timeout ends its process (tasks/gateway_thread.py).
+# The longest a job may run. A gateway job runs its calls on a thread beside the worker's jobs, outside this timeout
+# (tasks/gateway_thread.py bounds it by its slice and its calls' lease).
 Q_WORKER_TIMEOUT = envint("LONGHAUL_Q_TIMEOUT", 300, minimum=1)
 Q_RETRY = envint("LONGHAUL_Q_RETRY", 330, minimum=2)
 if Q_WORKER_TIMEOUT >= Q_RETRY:

@@ -18,9 +18,10 @@ How such a thread ends with its process:
 - a worker that ends by itself (django-q2 recycles it, or stops it with its cluster) runs finish() before
   Python's exit takes the thread pools the job works through: the thread claims nothing new and finishes
   the calls it has out, then the process exits;
-- a thread still running Q_WORKER_TIMEOUT seconds after it started is stuck (its calls time out well
-  before: slice plus operation lease): the process ends, as django-q2 ends a worker whose job outlived
-  that timeout, and the turn's session ends with it.
+- a thread still running a minute past its slice and its calls' operation lease (every call times out
+  before that) is stuck, on a database or a socket that never answers: the process exits, and with it
+  the turn's session. The supervisor takes it for a dead worker: it replaces it, or the whole cluster
+  when it was waiting for work (tasks/supervisor.py), and its step in hand resumes when its lease expires.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tasks import drain, operations
 
 log = logging.getLogger(__name__)
 
+STUCK_MARGIN_SECONDS = 60.0
 _lock = threading.Lock()
 _claiming: threading.Thread | None = None  # this process's gateway thread that holds the turn
 _started: list[threading.Thread] = []  # this process's gateway threads that may still run
@@ -63,6 +65,12 @@ def start() -> bool:
 def may_claim() -> bool:
     """Whether a gateway thread of this process holds the turn."""
     return _claiming is not None
+
+
+def running() -> bool:
+    """Whether a gateway thread of this process is still running."""
+    with _lock:
+        return any(thread.is_alive() for thread in _started)
 
 
 def join(timeout: float | None = None) -> None:
@@ -96,7 +104,7 @@ def _stopped_claiming(thread: threading.Thread) -> None:
 
 def _run() -> None:
     me = threading.current_thread()
-    stuck = threading.Timer(settings.Q_WORKER_TIMEOUT, _stuck)
+    stuck = threading.Timer(_stuck_after(), _stuck)
     stuck.daemon = True
     stuck.start()
     try:
@@ -111,8 +119,13 @@ def _run() -> None:
         drain.job_ended()
 
 
+def _stuck_after() -> float:
+    return (settings.LONGHAUL_GATEWAY_SLICE_SECONDS + settings.LONGHAUL_OPERATION_LEASE_SECONDS
+            + STUCK_MARGIN_SECONDS)
+
+
 def _stuck() -> None:
-    log.error("a gateway job ran for %s s, past any call's time: ending worker process %s", settings.Q_WORKER_TIMEOUT,
+    log.error("a gateway job ran for %.0f s, past any call's time: ending worker process %s", _stuck_after(),
               os.getpid())
     logging.shutdown()
     os._exit(1)

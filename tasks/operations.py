@@ -1128,7 +1128,8 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                 await sync_to_async(kick_if_claimable)()
             finally:
                 CALLS_OUT.pop(id(in_flight), None)
-                # This loop's database connections live in asgiref's thread and the claims' thread: give them back.
+                # This loop's database connections live in the claims' thread and asgiref's, which the process's
+                # gateway jobs share (another one's next use there reconnects): give them back.
                 await claims.close()
                 await sync_to_async(connections.close_all)()
     return ran

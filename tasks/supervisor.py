@@ -50,6 +50,7 @@ STALL_SECONDS = 30.0  # above django-q2's own pusher back-off (10 s after a brok
 DRAIN_SECONDS = 10.0
 PUSHER_SECONDS = 2.0  # above the longest wait of an idle pusher for a kick (tasks/broker.py: LISTEN_WAIT_SECONDS)
 PROBE_EVERY = 1.0
+RECYCLED = -2  # a worker's timer once django-q2 has recycled it (django_q/worker.py): it takes no more work
 _PR_SET_PDEATHSIG = 1
 # What a worker's jobs import beyond their own modules (kicks.JOBS): the gateway's HTTP client, providers and
 # tools, and the MCP client.
@@ -125,6 +126,9 @@ class SupervisedSentinel(Sentinel):
         self.task_queue = WatchedQueue(maxsize=Conf.QUEUE_LIMIT or 0)
         self.result_queue = WatchedQueue()
         self.stall_seconds = stall_seconds
+        # Workers django-q2 recycled that have not ended yet: a gateway thread's calls out (tasks/gateway_thread.py)
+        # keep the process until they are recorded; a new worker takes its place meanwhile.
+        self.retiring: list[BaseProcess] = []
         self._taken = -1
         self._quiet_since = time.monotonic()
         self._next_probe = 0.0
@@ -159,6 +163,8 @@ class SupervisedSentinel(Sentinel):
                 try:
                     if process.timer.value == 0:  # past its timeout: django-q2 terminates and replaces it
                         self.reincarnate(process)
+                    elif process.timer.value == RECYCLED:
+                        self.retire(process)
                     elif process.timer.value > 0:
                         process.timer.value -= cycle
                         busy = True
@@ -167,6 +173,7 @@ class SupervisedSentinel(Sentinel):
             for process in (self.monitor, self.pusher):
                 if not process.is_alive():
                     self.reincarnate(process)
+            self.retiring = [process for process in self.retiring if process.is_alive()]
             self.watch_for_stall(busy=busy)
             since_schedule += cycle
             if since_schedule >= 30 and Conf.SCHEDULER:
@@ -183,14 +190,36 @@ class SupervisedSentinel(Sentinel):
             raise ClusterWedged(reason)
         super().reincarnate(process)
 
+    def retire(self, process: BaseProcess) -> None:
+        """A worker django-q2 recycled takes no more work (it has left the task queue) but may still be finishing
+        its gateway thread's calls: a new worker takes its place now, not once it has ended."""
+        self.pool.remove(process)
+        self.retiring.append(process)
+        db.connections.close_all()  # as django-q2 before it forks: share no database socket with the new worker
+        self.spawn_worker()
+        log.info("worker %s recycled while finishing its calls out: worker %s takes its place", process.pid,
+                 self.pool[-1].pid)
+
     def stop(self) -> None:
         # django-q2 stops its workers through the task queue, which a dead process may have locked.
         reason = next(filter(None, map(self.unsafe_death, [*self.pool, self.pusher, self.monitor])), None)
         if reason is None:
             super().stop()
+            self._drain_retiring()
             return
         log.warning("worker cluster stopping without its queues: %s", reason)
         self.abandon()
+
+    def _drain_retiring(self) -> None:
+        """Recycled workers still finishing their calls drain as a stopping worker does (tasks/drain.py)."""
+        for worker in self.retiring:
+            if worker.is_alive():
+                os.kill(worker.pid, signal.SIGTERM)
+        deadline = time.monotonic() + DRAIN_SECONDS
+        for worker in self.retiring:
+            worker.join(max(0.0, deadline - time.monotonic()))
+            _kill(worker)
+        self.retiring = []
 
     def unsafe_death(self, process: BaseProcess) -> str | None:
         """Why this process's death may have left a queue locked for good; None when it cannot have."""
@@ -242,7 +271,8 @@ class SupervisedSentinel(Sentinel):
         self.event_out.set()
         self.pusher.join(PUSHER_SECONDS)  # it may be stuck putting into a full queue nobody reads
         _kill(self.pusher)
-        workers = [p for p in self.pool if p.is_alive()]
+        workers = [p for p in [*self.pool, *self.retiring] if p.is_alive()]
+        self.retiring = []
         for worker in workers:
             os.kill(worker.pid, signal.SIGTERM)  # tasks/drain.py: finish the job in hand, then exit
         deadline = time.monotonic() + DRAIN_SECONDS

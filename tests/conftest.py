@@ -33,7 +33,7 @@ def _gateway_threads_end_with_their_test():
     it ends before the next test, whose tables it would otherwise read."""
     yield
     gateway_thread.join(timeout=120)  # its calls time out well before: a thread still running is a failure to see
-    assert not gateway_thread.may_claim(), "a gateway thread of this test still holds the turn"
+    assert not gateway_thread.running(), "a gateway thread of this test is still running"
 
 
 @pytest.fixture(autouse=True)

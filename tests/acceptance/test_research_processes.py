@@ -107,7 +107,8 @@ def test_a_worker_replaced_while_its_gateway_thread_has_calls_out_records_them_f
     """django-q2 replaces a worker after LONGHAUL_Q_RECYCLE jobs (here 2): the gateway job, then a step. The
     gateway job returned while its call was out; the process, ending after the step, claims nothing new and
     waits for its thread to record the call's answer (Python's exit would otherwise shut the thread pools that
-    work goes through, and the answer would be lost until the call's lease ran out)."""
+    work goes through, and the answer would be lost until the call's lease ran out). A new worker takes its
+    place meanwhile: another task's step runs while the call is still out."""
     with FakeOpenAI(default=Reply(content=research_reply)) as server:
         gate = server.hold(lambda body: purpose_of(body) == "plan")
         [researching] = submit_research(acme, alice, QUESTIONS[:1])
@@ -121,7 +122,12 @@ def test_a_worker_replaced_while_its_gateway_thread_has_calls_out_records_them_f
             wait_until(lambda: all_terminal([sleeping.pk]), timeout=60, interval=0.1, message="the sleep task's end")
             wait_until(lambda: "stopped doing work" in cluster.output(), timeout=30, interval=0.1,
                        message="the worker to end its work")
-            assert server.held == 1
+            another = submit_sleep(acme, alice, steps=1)
+            wait_until(lambda: all_terminal([another.pk]), timeout=60, interval=0.1,
+                       message="a step on the worker that took the ending one's place")
+            assert server.held == 1, "the ending worker's call was still out"
+            assert "worker cluster replaced" not in cluster.output(), "no worker took the ending one's place"
+            assert "recycled while finishing its calls out" in cluster.output()
             gate.set()
             wait_until(lambda: all_terminal([researching]), timeout=120, interval=0.2, message="the research's end")
             output = cluster.output()

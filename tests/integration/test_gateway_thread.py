@@ -8,8 +8,8 @@ import functools
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
-import psycopg
 import pytest
 from django.db import connection
 
@@ -49,15 +49,6 @@ def waiting_for_its_plan(tenant, user, question: str = "How does asyncio task ca
     jobs.advance(task.pk)  # the first step asks for the plan call
     assert Operation.objects.filter(task=task, status=OperationStatus.PENDING).count() == 1
     return task
-
-
-@pytest.fixture
-def other_session() -> Iterator[psycopg.Connection]:
-    """A second database session, as another worker process's gateway job would have."""
-    s = connection.settings_dict
-    with psycopg.connect(host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"],
-                         password=s["PASSWORD"] or None, dbname=s["NAME"], autocommit=True) as session:
-        yield session
 
 
 def plan_of(question: str, body: dict) -> bool:
@@ -122,9 +113,10 @@ def test_a_second_job_in_the_same_process_is_refused_the_turn_while_the_first_ho
         first.join()
 
 
-def test_once_its_thread_stops_claiming_a_kick_starts_another_which_claims_beside_it(acme, alice, settings):
-    """A job whose slice is over waits for its last calls without the turn; the next kick's thread takes it,
-    and the first thread's end leaves the second's claim standing (a third kick starts nothing)."""
+@pytest.fixture
+def a_thread_waiting_for_its_last_call(acme, alice, settings) -> Iterator[tuple[FakeOpenAI, dict[str, Any]]]:
+    """A gateway thread whose slice is over, waiting for its one call (the first question's plan) without the
+    turn; the second question's plan is held too, once asked. Yields the server and each question's gate."""
     settings.LONGHAUL_STEP_SLICE_MS = 0
     settings.LONGHAUL_GATEWAY_SLICE_SECONDS = 1.0
     with serving_as_the_model(settings, default=Reply(content=research_reply)) as server:
@@ -134,22 +126,49 @@ def test_once_its_thread_stops_claiming_a_kick_starts_another_which_claims_besid
             kick_gateway(waiting_for_its_plan(acme, alice, "first question").pk)
             held(server, 1)
             wait_until(lambda: not gateway_thread.may_claim(), timeout=20, interval=0.02, message="the slice's end")
-            second = waiting_for_its_plan(acme, alice, "second question")  # after the first thread's turn
-            settings.LONGHAUL_GATEWAY_SLICE_SECONDS = 60.0  # the second thread claims for the rest of the test
-            kick_gateway(second.pk)
-            held(server, 2)
-            assert Operation.objects.get(task=second).status == OperationStatus.STARTED
-
-            gates["first question"].set()
-            wait_until(lambda: sum(t.name == "longhaul-gateway" for t in threading.enumerate()) == 1, timeout=20,
-                       interval=0.02, message="the first thread's end")
-            assert gateway_thread.may_claim(), "the second thread may still claim"
-            assert not gateway_thread.start()
+            settings.LONGHAUL_GATEWAY_SLICE_SECONDS = 60.0  # the next thread claims for the rest of the test
+            yield server, gates
         finally:
             for gate in gates.values():
                 gate.set()
             gateway_thread.join()
+
+
+def test_once_its_thread_stops_claiming_a_kick_starts_another_which_claims_beside_it(
+        acme, alice, a_thread_waiting_for_its_last_call):
+    """A job whose slice is over waits for its last calls without the turn; the next kick's thread takes it,
+    and the first thread's end leaves the second's claim standing (a third kick starts nothing)."""
+    server, gates = a_thread_waiting_for_its_last_call
+    second = waiting_for_its_plan(acme, alice, "second question")  # after the first thread's turn
+    kick_gateway(second.pk)
+    held(server, 2)
+    assert Operation.objects.get(task=second).status == OperationStatus.STARTED
+
+    gates["first question"].set()
+    wait_until(lambda: sum(t.name == "longhaul-gateway" for t in threading.enumerate()) == 1, timeout=20,
+               interval=0.02, message="the first thread's end")
+    assert gateway_thread.may_claim(), "the second thread may still claim"
+    assert not gateway_thread.start()
+    gates["second question"].set()
+    gateway_thread.join()
     assert set(Operation.objects.values_list("status", flat=True)) == {OperationStatus.SUCCEEDED}
+
+
+@pytest.mark.skipif(connection.vendor != "postgresql", reason="the turn is PostgreSQL's advisory lock")
+def test_the_first_threads_end_leaves_the_turn_of_the_thread_beside_it_held(
+        acme, alice, a_thread_waiting_for_its_last_call, other_session):
+    """Each thread's turn is a session of its own: the first thread, ending, closes its connections (and those of
+    the thread the process's jobs share) without ending the second's turn."""
+    server, gates = a_thread_waiting_for_its_last_call
+    kick_gateway(waiting_for_its_plan(acme, alice, "second question").pk)
+    held(server, 2)
+    gates["first question"].set()
+    wait_until(lambda: sum(t.name == "longhaul-gateway" for t in threading.enumerate()) == 1, timeout=20,
+               interval=0.02, message="the first thread's end")
+    taken = other_session.execute("SELECT pg_try_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY]).fetchone()[0]
+    assert not taken, "the second thread's turn ended with the first thread"
+    gates["second question"].set()
+    gateway_thread.join()
 
 
 @pytest.mark.skipif(connection.vendor != "postgresql", reason="the turn is PostgreSQL's advisory lock")
@@ -163,34 +182,24 @@ def test_a_thread_refused_the_turn_stands_in_the_way_of_no_kick(acme, alice, pla
     gateway_thread.join(20)
 
 
-def test_the_calls_out_of_every_gateway_thread_of_a_process_count_against_its_one_cap(acme, alice, settings):
+def test_the_calls_out_of_every_gateway_thread_of_a_process_count_against_its_one_cap(
+        acme, alice, settings, a_thread_waiting_for_its_last_call):
     """A thread waiting for its last calls runs beside the next: together they keep no more calls out than
     LONGHAUL_GATEWAY_INFLIGHT (the open files the process raised its limit for)."""
-    settings.LONGHAUL_STEP_SLICE_MS = 0
-    settings.LONGHAUL_GATEWAY_SLICE_SECONDS = 1.0
-    settings.LONGHAUL_GATEWAY_INFLIGHT = 1
-    with serving_as_the_model(settings, default=Reply(content=research_reply)) as server:
-        gates = {question: server.hold(functools.partial(plan_of, question))
-                 for question in ("first question", "second question")}
-        try:
-            kick_gateway(waiting_for_its_plan(acme, alice, "first question").pk)
-            held(server, 1)
-            wait_until(lambda: not gateway_thread.may_claim(), timeout=20, interval=0.02, message="the slice's end")
-            settings.LONGHAUL_GATEWAY_SLICE_SECONDS = 60.0
-            second = waiting_for_its_plan(acme, alice, "second question")
-            kick_gateway(second.pk)
-            wait_until(gateway_thread.may_claim, timeout=20, interval=0.02, message="the second thread's turn")
-            time.sleep(0.5)  # room for a claim beyond the cap to show
-            assert Operation.objects.get(task=second).status == OperationStatus.PENDING, "the cap was the job's"
-            assert operations.calls_out() == 1
-            gates["first question"].set()
-            held(server, 1)
-            wait_until(lambda: Operation.objects.get(task=second).status == OperationStatus.STARTED, timeout=20,
-                       interval=0.02, message="the second call claimed once the first answered")
-        finally:
-            for gate in gates.values():
-                gate.set()
-            gateway_thread.join()
+    server, gates = a_thread_waiting_for_its_last_call
+    settings.LONGHAUL_GATEWAY_INFLIGHT = 1  # read by each job as it starts: the next one's cap
+    second = waiting_for_its_plan(acme, alice, "second question")
+    kick_gateway(second.pk)
+    wait_until(gateway_thread.may_claim, timeout=20, interval=0.02, message="the second thread's turn")
+    time.sleep(0.5)  # room for a claim beyond the cap to show
+    assert Operation.objects.get(task=second).status == OperationStatus.PENDING, "the cap was the job's"
+    assert operations.calls_out() == 1
+    gates["first question"].set()
+    wait_until(lambda: Operation.objects.get(task=second).status == OperationStatus.STARTED, timeout=20,
+               interval=0.02, message="the second call claimed once the first answered")
+    held(server, 1)
+    gates["second question"].set()
+    gateway_thread.join()
     assert set(Operation.objects.values_list("status", flat=True)) == {OperationStatus.SUCCEEDED}
 
 

@@ -4,10 +4,8 @@ over when the claiming job ends is kicked on to the next job."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 
-import psycopg
 import pytest
 from django.db import connection
 from django.utils import timezone
@@ -26,15 +24,6 @@ pytestmark = [pytest.mark.django_db(transaction=True),
 @pytest.fixture(autouse=True)
 def _settings(settings):
     settings.LONGHAUL_STEP_SLICE_MS = 0
-
-
-@pytest.fixture
-def other_session() -> Iterator[psycopg.Connection]:
-    """A second database session, as another worker process's gateway job would have."""
-    s = connection.settings_dict
-    with psycopg.connect(host=s["HOST"] or "127.0.0.1", port=s["PORT"] or 5432, user=s["USER"],
-                         password=s["PASSWORD"] or None, dbname=s["NAME"], autocommit=True) as session:
-        yield session
 
 
 def waiting_for_its_plan(tenant, user) -> Task:
