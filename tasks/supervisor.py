@@ -173,7 +173,7 @@ class SupervisedSentinel(Sentinel):
             for process in (self.monitor, self.pusher):
                 if not process.is_alive():
                     self.reincarnate(process)
-            self.retiring = [process for process in self.retiring if process.is_alive()]
+            self.let_go_of_retired()
             self.watch_for_stall(busy=busy)
             since_schedule += cycle
             if since_schedule >= 30 and Conf.SCHEDULER:
@@ -199,6 +199,15 @@ class SupervisedSentinel(Sentinel):
         self.spawn_worker()
         log.info("worker %s recycled while finishing its calls out: worker %s takes its place", process.pid,
                  self.pool[-1].pid)
+
+    def let_go_of_retired(self) -> None:
+        """Forget the recycled workers that have ended, each after the check a dead worker gets: one killed while
+        its last result was still on its way out may have left the result queue locked."""
+        for process in [process for process in self.retiring if not process.is_alive()]:
+            self.retiring.remove(process)
+            reason = self.unsafe_death(process)
+            if reason is not None:
+                raise ClusterWedged(reason)
 
     def stop(self) -> None:
         # django-q2 stops its workers through the task queue, which a dead process may have locked.
