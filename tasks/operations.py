@@ -35,7 +35,7 @@ import time
 import traceback
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -1007,7 +1007,7 @@ class Watchdog:
             self.kick_id, self.at = None, None
 
 
-async def _hand_back(in_flight: set[asyncio.Task[None]], *, owner: str, recorder: Recorder) -> None:
+async def _hand_back(in_flight: dict[asyncio.Task[None], int], *, owner: str, recorder: Recorder) -> None:
     """Stop waiting for calls in flight and release them, so another gateway job runs them again under
     the same key; a call that must never run twice is left to its lease (settle_lost_calls fails it).
     Outcomes already handed to the recorder are written first."""
@@ -1015,15 +1015,17 @@ async def _hand_back(in_flight: set[asyncio.Task[None]], *, owner: str, recorder
         running.cancel()
     await asyncio.gather(*in_flight, return_exceptions=True)
     await recorder.closed()
-    released = await sync_to_async(release)(owner=owner)
+    released = await sync_to_async(release)(owner=owner, ids=in_flight.values())
     log.warning("gateway job draining: %s calls in flight handed back", released)
 
 
-def release(*, owner: str) -> int:
-    """A draining job's started calls back to pending, for another job; not those that must not run twice.
-    Their attempts stay counted, so a call that keeps hanging through drains is still bounded."""
-    return Operation.objects.filter(status=OperationStatus.STARTED, mode=GATEWAY, lease_owner=owner,
-                                    has_side_effects=False).update(
+def release(*, owner: str, ids: Iterable[int]) -> int:
+    """A draining job's started calls (`ids`) back to pending, for another job; not those that must not run twice.
+    Their attempts stay counted, so a call that keeps hanging through drains is still bounded. By id as well as
+    owner: the process's other gateway job (tasks/gateway_thread.py) claims under the same owner, and its calls
+    are its own to hand back or record."""
+    return Operation.objects.filter(pk__in=list(ids), status=OperationStatus.STARTED, mode=GATEWAY,
+                                    lease_owner=owner, has_side_effects=False).update(
         status=OperationStatus.PENDING, lease_owner="", lease_expires_at=None, started_at=None)
 
 
@@ -1047,7 +1049,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
             await claims.close()
     if not holding:
         return None
-    in_flight: set[asyncio.Task[None]] = set()
+    in_flight: dict[asyncio.Task[None], int] = {}  # each call out, and its operation's id
     watchdog = Watchdog()
     recorder = Recorder(owner)
     listener = requested.Listener()
@@ -1085,9 +1087,9 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                     listener.heard.clear()  # before the claim: a commit heard during it calls for another
                     batch, retries, anything_due = await claims.run(_claim_for, owner, room, watchdog)
                     for op in batch:
-                        in_flight.add(asyncio.create_task(_run_one(
+                        in_flight[asyncio.create_task(_run_one(
                             op, owner=owner, client=clients[op.pk % CLIENT_SHARDS], recorder=recorder,
-                            retries=retries.get(op.task_id, 0))))
+                            retries=retries.get(op.task_id, 0)))] = op.pk
                     ran += len(batch)
                 if not in_flight:
                     if not (claiming and room <= 0):
@@ -1107,8 +1109,8 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                 if heard is not None:
                     heard.cancel()
                     done.discard(heard)
-                in_flight -= done
                 for finished in done:
+                    del in_flight[finished]
                     if not finished.cancelled() and finished.exception() is not None:
                         # Its outcome could not be recorded (the database refused it); its lease runs out.
                         log.error("a call's outcome could not be recorded", exc_info=finished.exception())
@@ -1137,8 +1139,8 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
 
 # The calls out with each gateway job of this process. The cap (LONGHAUL_GATEWAY_INFLIGHT) and the open files it
 # asks for (tasks/descriptors.py) are the process's, and a job waiting for its last calls may run beside the next
-# (tasks/gateway_thread.py), on another thread: each reads the others' sets (by id), whose len() is atomic.
-CALLS_OUT: dict[int, set[asyncio.Task[None]]] = {}
+# (tasks/gateway_thread.py), on another thread: each reads the others' (by id), whose len() is atomic.
+CALLS_OUT: dict[int, Sized] = {}
 
 
 def calls_out() -> int:

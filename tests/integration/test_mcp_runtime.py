@@ -489,9 +489,23 @@ def test_a_draining_gateway_job_never_hands_back_a_call_that_must_not_run_twice(
     lease = now + timedelta(seconds=60)
     Operation.objects.filter(task=task).update(status=OperationStatus.STARTED, lease_owner="me", attempts=1,
                                                lease_expires_at=lease)
-    assert operations.release(owner="me") == 1
+    assert operations.release(owner="me", ids=Operation.objects.filter(task=task).values_list("pk", flat=True)) == 1
     assert dict(Operation.objects.filter(task=task).values_list("has_side_effects", "status")) == {
         False: OperationStatus.PENDING, True: OperationStatus.STARTED}
+
+
+def test_a_draining_gateway_job_hands_back_only_its_own_calls(acme, alice, draining):
+    """The process's other gateway job (tasks/gateway_thread.py) claims under the same owner: its calls are its
+    own to record or hand back."""
+    another = {**SEARCH, "args": {"query": "another", "limit": 1}}
+    task = submit(acme, alice, [{"do": "continue", "requests": [SEARCH, another]}])
+    follow(task, until=lambda t: Operation.objects.filter(task=t).count() == 2)
+    mine, theirs = Operation.objects.filter(task=task).order_by("pk")
+    Operation.objects.filter(task=task).update(status=OperationStatus.STARTED, lease_owner="me", attempts=1,
+                                               lease_expires_at=clock.now() + timedelta(seconds=60))
+    assert operations.release(owner="me", ids=[mine.pk]) == 1
+    assert dict(Operation.objects.filter(task=task).values_list("pk", "status")) == {
+        mine.pk: OperationStatus.PENDING, theirs.pk: OperationStatus.STARTED}
 
 
 def client_config() -> client.ServerConfig:
