@@ -62,7 +62,7 @@ def start() -> bool:
     return True
 
 
-def may_claim() -> bool:
+def holds_turn() -> bool:
     """Whether a gateway thread of this process holds the turn."""
     return _claiming is not None
 

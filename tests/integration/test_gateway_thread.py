@@ -65,6 +65,12 @@ def kick_gateway(task_id: int) -> None:
     assert not job.is_alive(), "the gateway job returned while its calls were out"
 
 
+def first_thread_ended() -> None:
+    """Of the two gateway threads, the first (its call answered) has ended."""
+    wait_until(lambda: sum(t.name == "longhaul-gateway" for t in threading.enumerate()) == 1, timeout=20,
+               interval=0.02, message="the first thread's end")
+
+
 def held(server: FakeOpenAI, count: int) -> None:
     wait_until(lambda: server.held == count, timeout=20, interval=0.02, message=f"{count} plan calls held")
 
@@ -90,7 +96,7 @@ def test_a_kick_while_the_processs_gateway_thread_claims_starts_no_other(acme, a
     server, _ = plans_held
     kick_gateway(waiting_for_its_plan(acme, alice).pk)
     held(server, 1)
-    assert gateway_thread.may_claim()
+    assert gateway_thread.holds_turn()
     assert not gateway_thread.start()
     second = waiting_for_its_plan(acme, alice)
     held(server, 2)  # the thread claiming heard the second step's commit: no job was needed for it
@@ -125,7 +131,7 @@ def a_thread_waiting_for_its_last_call(acme, alice, settings) -> Iterator[tuple[
         try:
             kick_gateway(waiting_for_its_plan(acme, alice, "first question").pk)
             held(server, 1)
-            wait_until(lambda: not gateway_thread.may_claim(), timeout=20, interval=0.02, message="the slice's end")
+            wait_until(lambda: not gateway_thread.holds_turn(), timeout=20, interval=0.02, message="the slice's end")
             settings.LONGHAUL_GATEWAY_SLICE_SECONDS = 60.0  # the next thread claims for the rest of the test
             yield server, gates
         finally:
@@ -145,9 +151,8 @@ def test_once_its_thread_stops_claiming_a_kick_starts_another_which_claims_besid
     assert Operation.objects.get(task=second).status == OperationStatus.STARTED
 
     gates["first question"].set()
-    wait_until(lambda: sum(t.name == "longhaul-gateway" for t in threading.enumerate()) == 1, timeout=20,
-               interval=0.02, message="the first thread's end")
-    assert gateway_thread.may_claim(), "the second thread may still claim"
+    first_thread_ended()
+    assert gateway_thread.holds_turn(), "the second thread still holds the turn"
     assert not gateway_thread.start()
     gates["second question"].set()
     gateway_thread.join()
@@ -163,8 +168,7 @@ def test_the_first_threads_end_leaves_the_turn_of_the_thread_beside_it_held(
     kick_gateway(waiting_for_its_plan(acme, alice, "second question").pk)
     held(server, 2)
     gates["first question"].set()
-    wait_until(lambda: sum(t.name == "longhaul-gateway" for t in threading.enumerate()) == 1, timeout=20,
-               interval=0.02, message="the first thread's end")
+    first_thread_ended()
     taken = other_session.execute("SELECT pg_try_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY]).fetchone()[0]
     assert not taken, "the second thread's turn ended with the first thread"
     gates["second question"].set()
@@ -177,7 +181,7 @@ def test_a_thread_refused_the_turn_stands_in_the_way_of_no_kick(acme, alice, pla
     still being refused (the turn held elsewhere, and given back meanwhile) must start one that tries again."""
     other_session.execute("SELECT pg_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY])
     assert gateway_thread.start()
-    assert not gateway_thread.may_claim()
+    assert not gateway_thread.holds_turn()
     assert gateway_thread.start(), "a kick while a thread was still trying for the turn started nothing"
     gateway_thread.join(20)
 
@@ -190,7 +194,7 @@ def test_the_calls_out_of_every_gateway_thread_of_a_process_count_against_its_on
     settings.LONGHAUL_GATEWAY_INFLIGHT = 1  # read by each job as it starts: the next one's cap
     second = waiting_for_its_plan(acme, alice, "second question")
     kick_gateway(second.pk)
-    wait_until(gateway_thread.may_claim, timeout=20, interval=0.02, message="the second thread's turn")
+    wait_until(gateway_thread.holds_turn, timeout=20, interval=0.02, message="the second thread's turn")
     time.sleep(0.5)  # room for a claim beyond the cap to show
     assert Operation.objects.get(task=second).status == OperationStatus.PENDING, "the cap was the job's"
     assert operations.calls_out() == 1
