@@ -6,13 +6,13 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
-from django.db import connection
 
 from chat import runs
 from chat.models import Message, Run, Thread
 from tasks import clock, deletion, jobs, sweeper
 from tasks.models import AuditEntry, Checkpoint, IdempotencyRecord, Operation, SleepEffect, Task, TaskEvent
 from tasks.statuses import TERMINAL, TaskStatus
+from tests import stored
 from tests.factories import make_task, submit_sleep
 from webhooks import endpoints
 from webhooks.models import Delivery
@@ -160,8 +160,7 @@ def test_a_pending_deletion_whose_content_fails_its_check_is_done_and_holds_up_n
     now = clock.now()
     broken, fine = (make_task(acme, alice, status=TaskStatus.CANCELLED, input={"question": "q"},
                               delete_requested_at=now, delete_requested_by=alice) for _ in range(2))
-    with connection.cursor() as cursor:  # a value no key opens
-        cursor.execute("UPDATE tasks_task SET input = %s::jsonb WHERE id = %s",
-                       [f'{{"lh_sealed": "lh1:{acme.pk}:1:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"}}', broken.pk])
+    no_key_opens = f'{{"lh_sealed": "lh1:{acme.pk}:1:AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA"}}'
+    stored.write("tasks_task", "input", broken.pk, no_key_opens)
     assert deletion.finish_pending(now, batch=10) == 2
     assert not Task.objects.filter(pk__in=[broken.pk, fine.pk]).exists()

@@ -23,6 +23,7 @@ from tasks import clock, crypto, jobs, sealed
 from tasks.errors import TamperedContent
 from tasks.models import AuditEntry, Checkpoint, Operation, Task, TaskEvent, TenantKey
 from tasks.statuses import TaskStatus
+from tests import stored
 from tests.factories import make_task
 from tests.integration.chatting import run_queued
 from tests.integration.test_research import run_to_end
@@ -125,9 +126,8 @@ def test_a_tampered_or_moved_value_is_an_error_never_a_value(acme, alice, globex
     ours = make_task(acme, alice, status=TaskStatus.SUCCEEDED, input={"question": "ours"}, result={"report": "x"})
     theirs = make_task(globex, charlie, status=TaskStatus.SUCCEEDED, input={"question": "theirs"})
     raw = dict(Task.objects.filter(pk=ours.pk).values_list("pk", "input"))  # opened...
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT input::text, result::text FROM tasks_task WHERE id = %s", [ours.pk])
-        stored_input, stored_result = cursor.fetchone()
+    stored_input, stored_result = (stored.read("tasks_task", column, [ours.pk])[ours.pk]
+                                   for column in ("input", "result"))
     token = json.loads(stored_input)[sealed.JSON_KEY]
     assert raw[ours.pk] == {"question": "ours"} and crypto.is_token(token)
 
@@ -138,17 +138,15 @@ def test_a_tampered_or_moved_value_is_an_error_never_a_value(acme, alice, globex
         "another tenant's row": (theirs.pk, "input", stored_input),
     }
     for what, (pk, column, value) in cases.items():
-        with connection.cursor() as cursor:
-            cursor.execute(f"UPDATE tasks_task SET {column} = %s::jsonb WHERE id = %s", [value, pk])
+        stored.write("tasks_task", column, pk, value)
         with pytest.raises(TamperedContent, match="failed its integrity check|sealed for another tenant"):
             Task.objects.get(pk=pk)
         if pk == ours.pk:
             response = alice_api.get(f"/api/tasks/{ours.public_id}")
             assert response.status_code == 500 and response.json()["code"] == "content_tampered", what
             assert "ours" not in response.content.decode()
-        with connection.cursor() as cursor:  # put it back for the next case
-            cursor.execute(f"UPDATE tasks_task SET {column} = %s::jsonb WHERE id = %s",
-                           [stored_input if pk == ours.pk else json.dumps({"question": "theirs"}), pk])
+        # put it back for the next case
+        stored.write("tasks_task", column, pk, stored_input if pk == ours.pk else json.dumps({"question": "theirs"}))
 
 
 def test_destroying_a_tenants_key_erases_its_content_and_only_its(acme, alice, globex, charlie, alice_api, root,
@@ -224,13 +222,10 @@ def test_rotating_a_tenants_key_reseals_its_rows_and_seals_old_plain_ones(acme, 
 
 def stored_versions(model, column: str, pks: list[int]) -> list[int | None]:
     """The key version each row's column is sealed with (None: in the clear)."""
-    table = model._meta.db_table
-    with connection.cursor() as cursor:
-        cursor.execute(f"SELECT id, {column}::text FROM {table} WHERE id = ANY(%s)", [pks])
-        stored = dict(cursor.fetchall())
+    values = stored.read(model._meta.db_table, column, pks)
     versions = []
     for pk in pks:
-        value = json.loads(stored[pk])
+        value = json.loads(values[pk])
         token = value.get(sealed.JSON_KEY) if isinstance(value, dict) else None
         versions.append(crypto.parse(token, label=column)[1] if token else None)
     return versions

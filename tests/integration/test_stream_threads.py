@@ -69,6 +69,8 @@ async def test_it_follows_the_thread_on_a_wakeup(acme, alice, alice_cookie, thre
     assert live["kind"] == "paused" and live["seq"] > cursor and live["status"] == "paused"
 
 
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="SQLite runs one writer at a time: the second "
+                    "status change waits for the first to commit")
 def test_a_status_change_that_commits_after_a_later_one_is_still_streamed(acme, alice, thread):
     """Two tasks of the thread change status at once; the one that started first commits last. A reader
     that read in between must still get it after its cursor (by event id it would be skipped for good)."""
