@@ -46,7 +46,7 @@ from _processes import Proc, machine_busy, processes
 from django.conf import settings
 from django.db import transaction
 
-from tasks import actions, jobs, kicks
+from tasks import actions, jobs, kicks, operations
 from tasks.descriptors import calls_at_most
 from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import TERMINAL, TaskStatus
@@ -60,9 +60,12 @@ SATURATED = 0.9  # a second in which the cores were this busy had no CPU to spar
 POOL_CONCURRENCY = 400  # each pool's (model, search, visit): above what a wave of 200 tasks asks of the model
 WITH_ROOM = "requested while the gateway had room for it"
 # A call's time out with a gateway job, in two: the remote answer as the job timed it (usage.duration_ms,
-# retries included), and the rest (the call started on the job's loop, its outcome recorded).
+# retries included), and the rest (the call started on the job's loop, its outcome recorded), whose two waits the
+# job notes in the call's usage too (started_after_ms, recorded_after_ms).
 ANSWER = "the remote answer (the gateway's own timing)"
 AROUND = "claimed -> recorded, less the remote answer"
+BEFORE_START = "claimed -> started on the job's event loop"
+BEFORE_RECORD = "answered -> its record began (the job's recorder)"
 STARTS = {"staged": "first steps run before the cluster started", "live": "submitted to a running cluster"}
 SEARCHES = {"web": "a loopback SearxNG-style search endpoint and its pages", "corpus": "the bundled offline corpus"}
 LIMITS = {"tasks": 2000, "delay": 30.0, "workers": 8, "timeout": 1800}
@@ -295,6 +298,8 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     claim_wait_with_room: dict[str, list[float]] = {"model": [], "tool": []}
     run: dict[str, list[float]] = {"model": [], "tool": []}
     answer: dict[str, list[float]] = {"model": [], "tool": []}  # the remote part, as the gateway timed it
+    waits: dict[str, list[float]] = {f"{kind} call: {what}": [] for kind in ("model", "tool")
+                                     for what in (BEFORE_START, BEFORE_RECORD)}
     last_done: dict[tuple[int, int], float] = {}
     calls = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
         "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage", "pool"))
@@ -307,6 +312,9 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
                 claim_wait_with_room[kind].append(claim_wait[kind][-1])
         run[kind].append((done - started).total_seconds() * 1000)
         answer[kind].append(float(usage.get("duration_ms", 0)))
+        for what, key in ((BEFORE_START, "started_after_ms"), (BEFORE_RECORD, "recorded_after_ms")):
+            if key in usage:
+                waits[f"{kind} call: {what}"].append(float(usage[key]))
         key = (task_id, step)
         last_done[key] = max(last_done.get(key, 0.0), done.timestamp())
     # Operations of step k (0-based) were requested by checkpoint k + 1; their outcomes are read by step k + 1,
@@ -319,11 +327,15 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
         "model call: claimed -> result recorded": run["model"],
         f"model call: {ANSWER}": answer["model"],
         f"model call: {AROUND}": [whole - remote for whole, remote in zip(run["model"], answer["model"])],
+        f"model call: {BEFORE_START}": waits[f"model call: {BEFORE_START}"],
+        f"model call: {BEFORE_RECORD}": waits[f"model call: {BEFORE_RECORD}"],
         "tool call: requested -> claimed by a gateway job": claim_wait["tool"],
         f"tool call: {WITH_ROOM} -> claimed": claim_wait_with_room["tool"],
         "tool call: claimed -> result recorded": run["tool"],
         f"tool call: {ANSWER}": answer["tool"],
         f"tool call: {AROUND}": [whole - remote for whole, remote in zip(run["tool"], answer["tool"])],
+        f"tool call: {BEFORE_START}": waits[f"tool call: {BEFORE_START}"],
+        f"tool call: {BEFORE_RECORD}": waits[f"tool call: {BEFORE_RECORD}"],
         "last result of a step -> next step committed": next_step,
     }
 
@@ -590,6 +602,18 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                "thread per request, in this benchmark's process, on the same two cores) where it takes about 200 "
                "ms with the pools at 400, and the run took 10.9 s, as long. " if held else "")
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
+    around = {kind: {what: h.percentile(waits[f"{kind} call: {what}"], 50) for what in (AROUND, BEFORE_START,
+                                                                                         BEFORE_RECORD)}
+              for kind in ("model", "tool")}
+    report.notes.append(
+        "Where a call's time in its gateway job goes, beside the remote answer (p50, model / tool): "
+        f"{h.fmt(around['model'][AROUND], 0)} / {h.fmt(around['tool'][AROUND], 0)} ms in all; of it, waiting to "
+        f"start on the job's event loop after the claim {h.fmt(around['model'][BEFORE_START], 0)} / "
+        f"{h.fmt(around['tool'][BEFORE_START], 0)} ms, and waiting for the job's recorder after the answer "
+        f"{h.fmt(around['model'][BEFORE_RECORD], 0)} / {h.fmt(around['tool'][BEFORE_RECORD], 0)} ms (the calls' "
+        "usage: started_after_ms, recorded_after_ms; the rest is the record's own transaction). The loop runs every "
+        f"call's HTTP client and parsing; the recorder writes one batch at a time (up to {operations.BATCH_AT_MOST} "
+        "outcomes a transaction); both share their process's interpreter with the steps its main thread runs.")
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
             f"Why a task waits for its next step: the {workers} worker processes run the steps, one of them beside "

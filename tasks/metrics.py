@@ -357,27 +357,43 @@ def pool_metrics(*, now: datetime) -> Iterator[Metric]:
         pauses.add_metric([pools.kind_of(key), key], state.pauses if state else 0)
     yield from families.values()
     yield pauses
-    yield _call_latency(now=now)
+    yield from _call_latency(now=now)
 
 
-def _call_latency(*, now: datetime) -> Metric:
-    """Duration of the newest finished calls (at most SAMPLE, within WINDOW), by pool and call name."""
+def _call_latency(*, now: datetime) -> Iterator[Metric]:
+    """Duration of the newest finished calls (at most SAMPLE, within WINDOW), by pool and call name; and the
+    time they spent in their gateway job beside it, by pool and part."""
+    window = f"at most {SAMPLE}, within {int(WINDOW.total_seconds())} s"
     family = GaugeHistogramMetricFamily(
         "longhaul_operation_duration_seconds",
-        f"Duration of the newest finished model and tool calls (at most {SAMPLE}, "
-        f"within {int(WINDOW.total_seconds())} s).",
-        labels=["pool", "name"])
+        f"Duration of the newest finished model and tool calls ({window}).", labels=["pool", "name"])
+    in_job = GaugeHistogramMetricFamily(
+        "longhaul_gateway_wait_seconds",
+        f"Time the newest finished calls ({window}) spent in their gateway job beside their remote work: from their "
+        "claim to their start (part=before_start: the job's event loop was busy with other calls) and from their "
+        "answer to its record (part=before_record: the job's recorder was busy with other answers).",
+        labels=["pool", "part"])
     # Newest first by primary key: the scan stops after SAMPLE finished rows.
     rows = (Operation.objects.filter(status__in=operations.FINISHED, mode=Operation.Mode.GATEWAY)
             .order_by("-id").values_list("pool", "name", "usage", "finished_at")[:SAMPLE])
     durations: dict[tuple[str, str], list[float]] = defaultdict(list)
+    waits: dict[tuple[str, str], list[float]] = defaultdict(list)
     for pool, name, usage, finished_at in rows:
-        ms = (usage or {}).get("duration_ms")
-        if finished_at is not None and finished_at >= now - WINDOW and isinstance(ms, int | float):
+        if finished_at is None or finished_at < now - WINDOW:
+            continue
+        usage = usage or {}
+        ms = usage.get("duration_ms")
+        if isinstance(ms, int | float):
             durations[(pool, name)].append(ms / 1000)
+        for part, key in (("before_start", "started_after_ms"), ("before_record", "recorded_after_ms")):
+            if isinstance(usage.get(key), int | float):
+                waits[(pool, part)].append(usage[key] / 1000)
     for (pool, name), seconds in sorted(durations.items()):
         family.add_metric([pool, name], _buckets(seconds, CALL_BUCKETS), sum(seconds))
-    return family
+    for (pool, part), seconds in sorted(waits.items()):
+        in_job.add_metric([pool, part], _buckets(seconds, CALL_BUCKETS), sum(seconds))
+    yield family
+    yield in_job
 
 
 # --- helpers ----------------------------------------------------------------------

@@ -516,7 +516,7 @@ def _claim_from_pool(key: str, *, owner: str, at_most: int, now: datetime) -> li
             status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
             attempts=F("attempts") + 1, started_at=now)
         for op in rows:
-            op.status, op.lease_owner, op.attempts = OperationStatus.STARTED, owner, op.attempts + 1
+            op.status, op.lease_owner, op.attempts, op.started_at = OperationStatus.STARTED, owner, op.attempts + 1, now
         pools.spend_requests(pool, len(rows))
         return rows
 
@@ -578,16 +578,24 @@ class Outcome:
     usage: dict[str, Any] | None = None
     retries_used: int = 0
     version: str = ""
+    answered_at: datetime | None = None  # when the job had the answer: its usage says how long it waited for `now`
 
     def fields(self, now: datetime) -> dict[str, Any]:
+        usage = dict(self.usage or {})
+        if self.answered_at is not None:
+            usage["recorded_after_ms"] = _ms_between(self.answered_at, now)
         return {
             "status": OperationStatus.FAILED if self.error else OperationStatus.SUCCEEDED,
             "result": None if self.error else self.result,
             "error_class": self.error.error_class if self.error else "",
             "error_message": str(self.error)[:2000] if self.error else "",
-            "usage": self.usage or {}, "version": self.version[:200], "finished_at": now, "lease_owner": "",
+            "usage": usage, "version": self.version[:200], "finished_at": now, "lease_owner": "",
             "lease_expires_at": None,
         }
+
+
+def _ms_between(earlier: datetime, later: datetime) -> int:
+    return max(0, int((later - earlier).total_seconds() * 1000))
 
 
 def record(op_id: int, *, owner: str, result: Any = None, error: StepError | None = None,
@@ -886,6 +894,10 @@ async def _run_one(op: Operation, *, owner: str, client: Any, recorder: Recorder
     # Looked up while the database answers: if recording the call's outcome fails, the database may be
     # what failed, and the remote task it created must still be cancelled.
     cancel_on = await sync_to_async(_compensation_server)(op) if _may_need_compensation(op) else None
+    # The call's time in the job beside its remote work, in its usage: from its claim to here (the event loop
+    # was busy with other calls) and from its answer to its record (the recorder was: Outcome.fields).
+    began = clock.now()
+    waited = {"started_after_ms": _ms_between(op.started_at, began)} if op.started_at else {}
     started = time.monotonic()
     result, usage, error = None, None, None
     try:
@@ -910,11 +922,11 @@ async def _run_one(op: Operation, *, owner: str, client: Any, recorder: Recorder
             await sync_to_async(pools.tell_waiting)(op.pool, until=until, now=now)
         if handed_back:
             return
-    usage = {**(usage or {}), "duration_ms": int((time.monotonic() - started) * 1000)}
+    usage = {**(usage or {}), "duration_ms": int((time.monotonic() - started) * 1000), **waited}
     tokens = 0
     if error is None and op.kind == "model":
         tokens = sum(v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens") and isinstance(v, int))
-    outcome = Outcome(op.pk, result, error, usage, budget.used, version_of(op, usage))
+    outcome = Outcome(op.pk, result, error, usage, budget.used, version_of(op, usage), answered_at=clock.now())
     try:
         await recorder.record(outcome, pool=op.pool, tokens=tokens)
     except Exception:

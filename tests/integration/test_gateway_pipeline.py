@@ -277,6 +277,32 @@ def test_the_recorder_writes_outcomes_handed_in_together_as_one_batch_and_spends
     assert Pool.objects.get(key=key).tokens_allowance <= allowance - 20 * 7
 
 
+def test_an_outcome_says_how_long_it_waited_for_the_recorder():
+    now = clock.now()
+    answered = operations.Outcome(1, usage={"duration_ms": 40}, answered_at=now - timedelta(milliseconds=1500))
+    assert answered.fields(now)["usage"] == {"duration_ms": 40, "recorded_after_ms": 1500}
+    assert operations.Outcome(1, usage={"duration_ms": 40}).fields(now)["usage"] == {"duration_ms": 40}, \
+        "not a gateway job's answer: nothing to say"
+    early = operations.Outcome(1, answered_at=now + timedelta(milliseconds=5))  # a clock read a hair later
+    assert early.fields(now)["usage"] == {"recorded_after_ms": 0}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_calls_usage_says_how_long_it_waited_in_its_gateway_job_beside_its_remote_answer(
+        acme, alice, settings, monkeypatch):
+    """Beside the remote answer (duration_ms), the two waits a busy gateway job adds to a call: from its claim
+    to its start (the job's event loop) and from its answer to its record (the job's recorder). With the remote
+    answer they fit in the call's time in the job, claimed -> recorded."""
+    with heard_or_not_at_all(settings, monkeypatch, Reply(content=PLAN_REPLY)):
+        op = plan_call(acme, alice, "How does asyncio task cancellation work?")
+        assert operations.run_due(run_for=0.5) == 1
+    done = Operation.objects.get(pk=op.pk)
+    parts = [done.usage.get(key) for key in ("started_after_ms", "duration_ms", "recorded_after_ms")]
+    assert done.status == Op.SUCCEEDED and all(isinstance(ms, int) and ms >= 0 for ms in parts), done.usage
+    in_the_job_ms = (done.finished_at - done.started_at).total_seconds() * 1000
+    assert sum(parts) <= in_the_job_ms + 2, "each rounded down; the remote answer on the monotonic clock"
+
+
 # --- calls requested while a job runs ------------------------------------------------------
 
 on_postgresql = pytest.mark.skipif("connection.vendor != 'postgresql'", reason="LISTEN/NOTIFY is PostgreSQL's")

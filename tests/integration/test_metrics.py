@@ -195,8 +195,10 @@ def test_it_exposes_pool_saturation_and_call_latency(acme, alice, settings):
 
     call(0, status=OperationStatus.STARTED, lease_owner="gw:1", lease_expires_at=now + timedelta(minutes=1))
     call(1, status=OperationStatus.PENDING)
-    call(2, status=OperationStatus.SUCCEEDED, usage={"duration_ms": 1500}, finished_at=now)
-    call(3, status=OperationStatus.FAILED, usage={"duration_ms": 40}, finished_at=now)
+    call(2, status=OperationStatus.SUCCEEDED, usage={"duration_ms": 1500, "started_after_ms": 30,
+                                                     "recorded_after_ms": 700}, finished_at=now)
+    call(3, status=OperationStatus.FAILED, usage={"duration_ms": 40, "started_after_ms": 300,
+                                                  "recorded_after_ms": 20}, finished_at=now)
     found = samples(scrape(**bearer(TOKEN)))
     model = pools.key_of("model", "chat", None)  # the configured model's pool
     assert value(found, "longhaul_pool_size", kind="model", pool=model) == 4
@@ -208,6 +210,12 @@ def test_it_exposes_pool_saturation_and_call_latency(acme, alice, settings):
     assert value(found, "longhaul_operation_duration_seconds_bucket", pool=model, name="chat", le="2.5") == 2
     assert value(found, "longhaul_operation_duration_seconds_gsum", pool=model,
                  name="chat") == pytest.approx(1.54)
+    # The gateway job's own waits beside the calls' remote work.
+    assert value(found, "longhaul_gateway_wait_seconds_bucket", pool=model, part="before_start", le="0.05") == 1
+    assert value(found, "longhaul_gateway_wait_seconds_bucket", pool=model, part="before_start", le="0.5") == 2
+    assert value(found, "longhaul_gateway_wait_seconds_bucket", pool=model, part="before_record", le="0.05") == 1
+    assert value(found, "longhaul_gateway_wait_seconds_gsum", pool=model,
+                 part="before_record") == pytest.approx(0.72)
 
 
 def test_a_scrape_takes_a_bounded_number_of_queries(acme, alice, globex, charlie, django_assert_max_num_queries):
