@@ -370,8 +370,9 @@ def _call_latency(*, now: datetime) -> Iterator[Metric]:
     in_job = GaugeHistogramMetricFamily(
         "longhaul_gateway_wait_seconds",
         f"Time the newest finished calls ({window}) spent in their gateway job beside their remote work: from their "
-        "claim to their start (part=before_start: the job's event loop was busy with other calls) and from their "
-        "answer to its record (part=before_record: the job's recorder was busy with other answers).",
+        "claim to their start (part=before_start: the claim's own statements, then the job's event loop busy with "
+        "other calls) and from their answer to their record's start (part=before_record: the job's recorder busy "
+        "with other answers).",
         labels=["pool", "part"])
     # Newest first by primary key: the scan stops after SAMPLE finished rows.
     rows = (Operation.objects.filter(status__in=operations.FINISHED, mode=Operation.Mode.GATEWAY)

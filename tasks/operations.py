@@ -80,6 +80,7 @@ WATCHDOG_STEP = timedelta(seconds=2)
 # 17.6 s of CPU in a run of bench/inflight.py, one run each.
 CLIENT_SHARDS = 8
 BATCH_AT_MOST = 50  # outcomes recorded in one transaction
+WRITERS = 2  # a gateway job's batches of outcomes written at once (Recorder)
 LOST = ("the gateway job running this call stopped before it answered, so the call may or may not have started; "
         "it is not run again")
 
@@ -820,30 +821,52 @@ def version_of(op: Operation, usage: dict[str, Any]) -> str:
 
 
 class Recorder:
-    """A gateway job's outcomes, recorded in batches: those that arrive while one batch is being written
-    go together in the next (record_many), with the tokens their model calls used. A wave of answers
-    then costs a few transactions, not one each on the job's one database thread."""
+    """A gateway job's outcomes, recorded in batches: those that arrive while a batch is being written go
+    together in the next (record_many), with the tokens their model calls used. A wave of answers then costs
+    a few transactions, not one each.
+
+    Up to WRITERS batches are written at once, each on a database thread and connection of its own: while
+    one batch waits on the database, the next is written, so a wave's last answers do not queue behind all
+    the others' transactions one at a time. Two batches never wait on each other in a circle: each locks
+    its tasks in id order, then only its own calls (_finish_many), as two jobs' recorders always have."""
 
     def __init__(self, owner: str) -> None:
         self.owner = owner
         self._waiting: list[tuple[Outcome, str, int, asyncio.Future[bool]]] = []
-        self._writer: asyncio.Task[None] | None = None
+        self._writers: list[asyncio.Task[None] | None] = [None] * WRITERS
+        self._threads: list[DatabaseThread | None] = [None] * WRITERS
+        self._closed = False
         self.batches = 0  # written so far
 
     async def record(self, outcome: Outcome, *, pool: str, tokens: int = 0) -> bool:
         """Whether it was recorded (False: another job took the call over); raises what stopped it."""
+        if self._closed:  # its database threads are given back: nothing would write it
+            raise InternalError("the gateway job's recorder was closed before the outcome came")
         answer: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         self._waiting.append((outcome, pool, tokens, answer))
-        if self._writer is None or self._writer.done():
-            self._writer = asyncio.create_task(self._write())
+        # A writer starts on the loop's next turn and takes everything waiting then: the outcomes handed in
+        # meanwhile go in its batch, and a second writer finds none and ends.
+        for i, writer in enumerate(self._writers):
+            if writer is None or writer.done():
+                thread = self._threads[i] = self._threads[i] or DatabaseThread(f"gateway-recorder-{i}")
+                self._writers[i] = asyncio.create_task(self._write(thread))
+                break
         return await answer
 
     async def closed(self) -> None:
-        """Once every outcome handed in is written."""
-        if self._writer is not None:
-            await asyncio.gather(self._writer, return_exceptions=True)
+        """Once every outcome handed in is written; it takes no more, and gives back its database threads and
+        their connections (again, it does nothing)."""
+        self._closed = True
+        try:
+            await asyncio.gather(*(w for w in self._writers if w is not None), return_exceptions=True)
+        finally:
+            for i, thread in enumerate(self._threads):
+                self._threads[i] = None
+                if thread is not None:
+                    with contextlib.suppress(Exception):  # the others are given back all the same
+                        await thread.close()
 
-    async def _write(self) -> None:
+    async def _write(self, thread: DatabaseThread) -> None:
         batch: list[tuple[Outcome, str, int, asyncio.Future[bool]]] = []
         try:
             while self._waiting:
@@ -851,7 +874,7 @@ class Recorder:
                 batch, self._waiting = self._waiting[:BATCH_AT_MOST], self._waiting[BATCH_AT_MOST:]
                 self.batches += 1
                 try:
-                    recorded = await sync_to_async(self._write_batch)(batch)
+                    recorded = await thread.run(self._write_batch, batch)
                 except Exception as exc:  # the database is out of reach: every call of the batch hears it
                     recorded = [exc] * len(batch)
                 for (_, _, _, answer), done in zip(batch, recorded, strict=True):
@@ -861,6 +884,7 @@ class Recorder:
                         answer.set_exception(done)
                     else:
                         answer.set_result(done)
+                batch = []
         finally:
             # Cancelled or worse: no call may wait for ever on an answer that will not come.
             for _, _, _, answer in [*batch, *self._waiting]:
@@ -885,17 +909,23 @@ class Recorder:
 async def _run_one(op: Operation, *, owner: str, client: Any, recorder: Recorder | None = None,
                    retries: int | None = None) -> None:
     """Run one claimed call and record its outcome (`retries`: its task's retries left, read with the claim)."""
+    if recorder is None:  # a call run on its own: a recorder of its own, its database threads closed after it
+        recorder = Recorder(owner)
+        try:
+            return await _run_one(op, owner=owner, client=client, recorder=recorder, retries=retries)
+        finally:
+            await recorder.closed()
     from tasks.gateway.retry import RetryBudget
 
-    recorder = recorder or Recorder(owner)
     if retries is None:
         retries = (await sync_to_async(retries_left)([op.task_id])).get(op.task_id, 0)
     budget = RetryBudget(retries)
     # Looked up while the database answers: if recording the call's outcome fails, the database may be
     # what failed, and the remote task it created must still be cancelled.
     cancel_on = await sync_to_async(_compensation_server)(op) if _may_need_compensation(op) else None
-    # The call's time in the job beside its remote work, in its usage: from its claim to here (the event loop
-    # was busy with other calls) and from its answer to its record (the recorder was: Outcome.fields).
+    # The call's time in the job beside its remote work, in its usage: from its claim (its row's started_at, the
+    # claim transaction's start) to here (the rest of that transaction, then the event loop busy with other calls),
+    # and from its answer to its record's start (the recorder busy with other answers: Outcome.fields).
     began = clock.now()
     waited = {"started_after_ms": _ms_between(op.started_at, began)} if op.started_at else {}
     started = time.monotonic()
@@ -1128,6 +1158,11 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                         log.error("a call's outcome could not be recorded", exc_info=finished.exception())
     finally:
         try:
+            # Left by an error: the calls still out stop here, unrecorded (their leases run out, as when a job
+            # dies), so that no outcome comes to the recorder once it is closed.
+            for running in in_flight:
+                running.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
             await listener.stop()
             await recorder.closed()
             if not in_flight:
@@ -1142,8 +1177,9 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                 await sync_to_async(kick_if_claimable)()
             finally:
                 CALLS_OUT.pop(id(in_flight), None)
-                # This loop's database connections live in the claims' thread and asgiref's, which the process's
-                # gateway jobs share (another one's next use there reconnects): give them back.
+                # This loop's database connections live in the claims' thread, the recorder's (closed with it) and
+                # asgiref's, which the process's gateway jobs share (another one's next use there reconnects): give
+                # them back.
                 await claims.close()
                 await sync_to_async(connections.close_all)()
     return ran
@@ -1170,8 +1206,9 @@ def _tls_context() -> ssl.SSLContext:
 
 
 class DatabaseThread:
-    """A thread with a database connection of its own, for one kind of a gateway job's database work:
-    its claims do not wait behind the batches of outcomes on asgiref's thread, nor those behind them."""
+    """A thread with a database connection of its own, for one kind of a gateway job's database work (its
+    claims; each of its recorder's writers): its claims do not wait behind batches of outcomes, nor a batch
+    behind the claims or another batch."""
 
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)

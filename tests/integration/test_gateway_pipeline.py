@@ -23,10 +23,12 @@ from django_q.signing import SignedPackage
 
 from tasks import clock, kicks, leases, operations, pools, requested, transitions
 from tasks.drivers import OpRequest
+from tasks.errors import InternalError
 from tasks.models import Operation, Pool, Task, TaskEvent
 from tasks.statuses import OperationStatus, TaskStatus
 from tests.factories import make_task
 from tests.fakes.openai_server import FakeOpenAI, Reply
+from tests.integration.lock_waits import another_waits
 from tests.integration.test_pools import PLAN_REPLY, call
 
 Op = OperationStatus
@@ -301,6 +303,56 @@ def test_a_calls_usage_says_how_long_it_waited_in_its_gateway_job_beside_its_rem
     assert done.status == Op.SUCCEEDED and all(isinstance(ms, int) and ms >= 0 for ms in parts), done.usage
     in_the_job_ms = (done.finished_at - done.started_at).total_seconds() * 1000
     assert sum(parts) <= in_the_job_ms + 2, "each rounded down; the remote answer on the monotonic clock"
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="SQLite runs one writer at a time")
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_held_up_by_a_locked_task_holds_up_no_other_batch_of_the_job(acme, alice, other_session):
+    """While one batch of outcomes waits for its task's row, which another session holds (a step committing, an
+    admin's change), the outcomes that arrive next are written beside it, not behind it."""
+    (held_task, [held]), (_, [free]) = waiting(acme, alice), waiting(acme, alice)
+    holder = other_session.info.backend_pid
+    other_session.execute("BEGIN")
+    other_session.execute("SELECT 1 FROM tasks_task WHERE id = %s FOR UPDATE", [held_task.pk])
+
+    async def hand_in() -> tuple[bool, bool, bool]:
+        recorder = operations.Recorder(OWNER)
+        first = asyncio.create_task(recorder.record(outcome(held), pool="tool:search"))
+        try:
+            # Watched from a session outside any transaction: one sees pg_stat_activity as of its first look.
+            with psycopg.connect(requested.conninfo(), autocommit=True) as watching:
+                blocked = await asyncio.to_thread(
+                    another_waits, lambda sql, params: watching.execute(sql, params).fetchone(), holder)
+            try:
+                second = await asyncio.wait_for(recorder.record(outcome(free), pool="tool:search"), timeout=20)
+            except TimeoutError:
+                pytest.fail("the next outcome waited for the batch held up by the locked row")
+            return blocked, second, first.done()
+        finally:
+            other_session.execute("ROLLBACK")
+            await asyncio.gather(first, return_exceptions=True)
+            await recorder.closed()
+
+    blocked, second, first_done = asyncio.run(hand_in())
+    assert blocked, "the first batch waited for the row"
+    assert second is True and not first_done, "the next outcome was recorded while the first batch still waited"
+    assert set(Operation.objects.filter(pk__in=[held.pk, free.pk]).values_list("status", flat=True)) == {Op.SUCCEEDED}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_closed_recorder_gives_back_its_database_threads_and_takes_no_more_outcomes(acme, alice):
+    (_, [first]), (_, [late]) = waiting(acme, alice), waiting(acme, alice)
+
+    async def record_close_record() -> None:
+        recorder = operations.Recorder(OWNER)
+        assert await recorder.record(outcome(first), pool="tool:search") is True
+        await recorder.closed()
+        with pytest.raises(InternalError, match="recorder was closed"):
+            await recorder.record(outcome(late), pool="tool:search")
+
+    asyncio.run(record_close_record())
+    wait_for(lambda: not [t for t in threading.enumerate() if t.name.startswith("gateway-recorder")])
+    assert (status(first), status(late)) == (Op.SUCCEEDED, Op.STARTED), "the late one is left to its lease"
 
 
 # --- calls requested while a job runs ------------------------------------------------------
