@@ -48,6 +48,11 @@ def outcome(op: Operation, result: Any = None, **fields: Any) -> operations.Outc
     return operations.Outcome(op.pk, {"results": []} if result is None else result, **fields)
 
 
+# How many of this database's backends wait for a lock (the second to wait for a row waits for the first).
+WAITING_COUNT_SQL = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                     "AND cardinality(pg_blocking_pids(pid)) > 0")
+
+
 def advance_kicks() -> list[int]:
     return sorted(SignedPackage.loads(p)["args"][0] for p in OrmQ.objects.values_list("payload", flat=True)
                   if SignedPackage.loads(p)["func"] == "tasks.jobs.advance")
@@ -337,6 +342,40 @@ def test_a_batch_held_up_by_a_locked_task_holds_up_no_other_batch_of_the_job(acm
     assert blocked, "the first batch waited for the row"
     assert second is True and not first_done, "the next outcome was recorded while the first batch still waited"
     assert set(Operation.objects.filter(pk__in=[held.pk, free.pk]).values_list("status", flat=True)) == {Op.SUCCEEDED}
+
+
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="SQLite runs one writer at a time")
+@pytest.mark.django_db(transaction=True)
+def test_two_batches_that_close_a_steps_last_two_calls_at_once_make_it_due_once(acme, alice, other_session):
+    """The recorder's two writers each take one of a step's last two outcomes and meet at the task's row:
+    the second to lock it sees the first's call closed, so the step is made due, and told, exactly once."""
+    task, [a, b] = waiting(acme, alice, calls=2)
+    OrmQ.objects.all().delete()
+    other_session.execute("BEGIN")
+    other_session.execute("SELECT 1 FROM tasks_task WHERE id = %s FOR UPDATE", [task.pk])
+
+    async def hand_in() -> list[bool]:
+        recorder = operations.Recorder(OWNER)
+        try:
+            with psycopg.connect(requested.conninfo(), autocommit=True) as watching:
+                def blocked_on_the_row(count: int) -> None:
+                    wait_for(lambda: watching.execute(WAITING_COUNT_SQL).fetchone()[0] >= count)
+
+                first = asyncio.create_task(recorder.record(outcome(a), pool="tool:search"))
+                await asyncio.to_thread(blocked_on_the_row, 1)
+                second = asyncio.create_task(recorder.record(outcome(b), pool="tool:search"))
+                await asyncio.to_thread(blocked_on_the_row, 2)  # both batches wait for the row, each on its thread
+        finally:
+            other_session.execute("ROLLBACK")
+        try:
+            return list(await asyncio.gather(first, second))
+        finally:
+            await recorder.closed()
+
+    assert asyncio.run(hand_in()) == [True, True]
+    assert made_due() == [task.pk]
+    assert advance_kicks() == kicks_for(1)
+    assert TaskEvent.objects.filter(task=task, kind="tool_results_ready").count() == 1
 
 
 @pytest.mark.django_db(transaction=True)
