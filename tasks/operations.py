@@ -1053,12 +1053,18 @@ async def _hand_back(in_flight: dict[asyncio.Task[None], int], *, owner: str, re
     """Stop waiting for calls in flight and release them, so another gateway job runs them again under
     the same key; a call that must never run twice is left to its lease (settle_lost_calls fails it).
     Outcomes already handed to the recorder are written first."""
-    for running in in_flight:
-        running.cancel()
-    await asyncio.gather(*in_flight, return_exceptions=True)
+    await _stop(in_flight)
     await recorder.closed()
     released = await sync_to_async(release)(owner=owner, ids=in_flight.values())
     log.warning("gateway job draining: %s calls in flight handed back", released)
+
+
+async def _stop(calls: Iterable[asyncio.Task[None]]) -> None:
+    """Cancel the calls and wait until each has stopped."""
+    running = list(calls)
+    for call in running:
+        call.cancel()
+    await asyncio.gather(*running, return_exceptions=True)
 
 
 def release(*, owner: str, ids: Iterable[int]) -> int:
@@ -1160,9 +1166,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
         try:
             # Left by an error: the calls still out stop here, unrecorded (their leases run out, as when a job
             # dies), so that no outcome comes to the recorder once it is closed.
-            for running in in_flight:
-                running.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
+            await _stop(in_flight)
             await listener.stop()
             await recorder.closed()
             if not in_flight:

@@ -28,7 +28,7 @@ from tasks.models import Operation, Pool, Task, TaskEvent
 from tasks.statuses import OperationStatus, TaskStatus
 from tests.factories import make_task
 from tests.fakes.openai_server import FakeOpenAI, Reply
-from tests.integration.lock_waits import another_waits
+from tests.integration.lock_waits import waiting_reach
 from tests.integration.test_pools import PLAN_REPLY, call
 
 Op = OperationStatus
@@ -48,9 +48,17 @@ def outcome(op: Operation, result: Any = None, **fields: Any) -> operations.Outc
     return operations.Outcome(op.pk, {"results": []} if result is None else result, **fields)
 
 
-# How many of this database's backends wait for a lock (the second to wait for a row waits for the first).
-WAITING_COUNT_SQL = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                     "AND cardinality(pg_blocking_pids(pid)) > 0")
+def hold_row(session: psycopg.Connection, task: Task) -> None:
+    """Lock the task's row in an open transaction of `session` (its ROLLBACK lets go), as a step committing would."""
+    session.execute("BEGIN")
+    session.execute("SELECT 1 FROM tasks_task WHERE id = %s FOR UPDATE", [task.pk])
+
+
+def lock_waiters_reach(count: int) -> bool:
+    """Whether `count` backends of this database come to wait for a lock. Asked from a session outside any
+    transaction: one inside sees pg_stat_activity as of its first look."""
+    with psycopg.connect(requested.conninfo(), autocommit=True) as watching:
+        return waiting_reach(lambda sql, params: watching.execute(sql, params).fetchone(), count)
 
 
 def advance_kicks() -> list[int]:
@@ -316,18 +324,13 @@ def test_a_batch_held_up_by_a_locked_task_holds_up_no_other_batch_of_the_job(acm
     """While one batch of outcomes waits for its task's row, which another session holds (a step committing, an
     admin's change), the outcomes that arrive next are written beside it, not behind it."""
     (held_task, [held]), (_, [free]) = waiting(acme, alice), waiting(acme, alice)
-    holder = other_session.info.backend_pid
-    other_session.execute("BEGIN")
-    other_session.execute("SELECT 1 FROM tasks_task WHERE id = %s FOR UPDATE", [held_task.pk])
+    hold_row(other_session, held_task)
 
     async def hand_in() -> tuple[bool, bool, bool]:
         recorder = operations.Recorder(OWNER)
         first = asyncio.create_task(recorder.record(outcome(held), pool="tool:search"))
         try:
-            # Watched from a session outside any transaction: one sees pg_stat_activity as of its first look.
-            with psycopg.connect(requested.conninfo(), autocommit=True) as watching:
-                blocked = await asyncio.to_thread(
-                    another_waits, lambda sql, params: watching.execute(sql, params).fetchone(), holder)
+            blocked = await asyncio.to_thread(lock_waiters_reach, 1)
             try:
                 second = await asyncio.wait_for(recorder.record(outcome(free), pool="tool:search"), timeout=20)
             except TimeoutError:
@@ -351,20 +354,15 @@ def test_two_batches_that_close_a_steps_last_two_calls_at_once_make_it_due_once(
     the second to lock it sees the first's call closed, so the step is made due, and told, exactly once."""
     task, [a, b] = waiting(acme, alice, calls=2)
     OrmQ.objects.all().delete()
-    other_session.execute("BEGIN")
-    other_session.execute("SELECT 1 FROM tasks_task WHERE id = %s FOR UPDATE", [task.pk])
+    hold_row(other_session, task)
 
     async def hand_in() -> list[bool]:
         recorder = operations.Recorder(OWNER)
         try:
-            with psycopg.connect(requested.conninfo(), autocommit=True) as watching:
-                def blocked_on_the_row(count: int) -> None:
-                    wait_for(lambda: watching.execute(WAITING_COUNT_SQL).fetchone()[0] >= count)
-
-                first = asyncio.create_task(recorder.record(outcome(a), pool="tool:search"))
-                await asyncio.to_thread(blocked_on_the_row, 1)
-                second = asyncio.create_task(recorder.record(outcome(b), pool="tool:search"))
-                await asyncio.to_thread(blocked_on_the_row, 2)  # both batches wait for the row, each on its thread
+            first = asyncio.create_task(recorder.record(outcome(a), pool="tool:search"))
+            assert await asyncio.to_thread(lock_waiters_reach, 1)
+            second = asyncio.create_task(recorder.record(outcome(b), pool="tool:search"))
+            assert await asyncio.to_thread(lock_waiters_reach, 2), "both batches wait for the row, each on its thread"
         finally:
             other_session.execute("ROLLBACK")
         try:
