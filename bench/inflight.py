@@ -16,8 +16,8 @@ calls in flight per worker process.
 
 By default (--start staged) every task's first step, which only asks for its plan, runs in this
 process before the cluster starts, so all the plan calls are due at once, as after a burst of
-submissions: the first wave shows what one gateway job can keep in flight. The later waves
-(search, visit, extract, draft) follow at the pace the workers commit steps. --start live
+submissions: the first wave shows what the gateway (one job, by default) can keep in flight. The later
+waves (search, visit, extract, draft) follow at the pace the workers commit steps. --start live
 submits the tasks to a running cluster instead.
 
 Baselines on the same fake: 200 concurrent requests from one bare httpx2.AsyncClient with a
@@ -72,7 +72,7 @@ BEFORE_RECORD = "answered -> its record began (the job's recorder)"
 FROM_ANSWER = "last answer of a step (the gateway had it)"
 STARTS = {"staged": "first steps run before the cluster started", "live": "submitted to a running cluster"}
 SEARCHES = {"web": "a loopback SearxNG-style search endpoint and its pages", "corpus": "the bundled offline corpus"}
-LIMITS = {"tasks": 2000, "delay": 30.0, "workers": 8, "timeout": 1800}
+LIMITS = {"tasks": 2000, "delay": 30.0, "workers": 8, "timeout": 1800, "turns": 8}
 QUESTIONS = [
     "How does asyncio cancellation work", "What are context managers", "How are exceptions handled",
     "What is a dataclass", "How does the import system find modules", "How does garbage collection work",
@@ -291,7 +291,7 @@ def withdraw_step_kicks(ids: set[int]) -> int:
     return len(stale)
 
 
-def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
+def pipeline_waits(ids: list[int], *, turns: int) -> dict[str, list[float]]:
     """From the rows: how long operations waited for a gateway job (those requested once a job was
     claiming), ran, and how long a task then waited for its next step to commit once its last
     operation of a step was done."""
@@ -309,7 +309,7 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     calls = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
         "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage", "pool"))
     first_claim = min((started for *_, started, _, _, _ in calls), default=None)
-    room = had_room(calls, cap=job_cap(), pool_cap=POOL_CONCURRENCY)
+    room = had_room(calls, cap=gateway_cap(turns), pool_cap=POOL_CONCURRENCY)
     for op_id, task_id, step, kind, created, started, done, usage, _ in calls:
         if created >= first_claim:  # a call staged before any worker ran waited for the cluster to start
             claim_wait[kind].append((started - created).total_seconds() * 1000)
@@ -350,6 +350,11 @@ def pipeline_waits(ids: list[int]) -> dict[str, list[float]]:
     }
 
 
+def gateway_cap(turns: int) -> int:
+    """The calls the gateway keeps out at most: each job holding a turn keeps up to job_cap()."""
+    return job_cap() * turns
+
+
 def job_cap() -> int:
     """The calls a gateway job keeps out at most: LONGHAUL_GATEWAY_INFLIGHT, or fewer where the open-file limit,
     which the workers inherit from this process, is too low for it (tasks/descriptors.py)."""
@@ -357,11 +362,11 @@ def job_cap() -> int:
 
 
 def had_room(calls: list[tuple], *, cap: int, pool_cap: int) -> set[int]:
-    """The calls requested while the gateway had room for them: fewer than the job's cap
-    (LONGHAUL_GATEWAY_INFLIGHT) out or asked for earlier and still waiting, and fewer than `pool_cap` of their
-    own pool's (POOL_CONCURRENCY). The others waited for calls to end, as the caps say they must; these
-    waited for the gateway alone. (A task's cap, 8 calls, which no research step asks for more than, never
-    binds.) `calls`: pipeline_waits' rows."""
+    """The calls requested while the gateway had room for them: fewer than `cap`, its jobs' caps
+    (LONGHAUL_GATEWAY_INFLIGHT, once per turn), out or asked for earlier and still waiting, and fewer than
+    `pool_cap` of their own pool's (POOL_CONCURRENCY). The others waited for calls to end, as the caps say
+    they must; these waited for the gateway alone. (A task's cap, 8 calls, which no research step asks for
+    more than, never binds.) `calls`: pipeline_waits' rows."""
     moves: list[tuple[float, int, int, int, str]] = []  # (when, order among moves at one time, op, what, pool)
     for op_id, _, _, _, created, started, done, _, pool in calls:
         moves += [(created.timestamp(), 1, op_id, 0, pool), (started.timestamp(), 0, op_id, 1, pool),
@@ -421,12 +426,17 @@ def all_terminal(ids: list[int]) -> bool:
 
 
 def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: float = 180,
-        start: str = "staged", search: str = "web") -> h.Report:
+        start: str = "staged", search: str = "web", turns: int = 1) -> h.Report:
     h.migrate_if_needed()
     report = h.Report(
-        "inflight", "Model calls in flight per worker process",
+        "inflight" if turns == 1 else "inflight_turns",
+        "Model calls in flight per worker process" + ("" if turns == 1 else f", {turns} gateway turns"),
         f"{tasks} research tasks against a loopback OpenAI-compatible fake answering after {delay:g} s, through a "
-        f"qcluster of {workers} worker processes (a gateway job keeps up to LONGHAUL_GATEWAY_INFLIGHT "
+        f"qcluster of {workers} worker processes "
+        + ("(one gateway job claims at a time, LONGHAUL_GATEWAY_TURNS 1, the default; "
+           if turns == 1 else f"(up to {turns} gateway jobs claim at once, each in a worker process of its own: "
+           f"LONGHAUL_GATEWAY_TURNS {turns}; ")
+        + "a gateway job keeps up to LONGHAUL_GATEWAY_INFLIGHT "
         f"{job_cap()} calls out; LONGHAUL_MODEL_CONCURRENCY and LONGHAUL_TOOL_CONCURRENCY "
         f"{POOL_CONCURRENCY}, so each of the model, search and visit pools takes up to {POOL_CONCURRENCY}); search "
         f"and visit against {SEARCHES[search]}; the fake's in-flight requests, "
@@ -447,7 +457,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
                    "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": str(POOL_CONCURRENCY),
                    "LONGHAUL_TOOL_CONCURRENCY": str(POOL_CONCURRENCY),
-                   "LONGHAUL_MAX_RUNNING": str(tasks + 10)}
+                   "LONGHAUL_MAX_RUNNING": str(tasks + 10), "LONGHAUL_GATEWAY_TURNS": str(turns)}
             if site is not None:
                 env |= {"LONGHAUL_SEARCH_URL": f"{site.url}/search", "LONGHAUL_ALLOW_PRIVATE_FETCH": "1"}
             with h.override(LONGHAUL_MAX_RUNNING=tasks + 10, **{k: v for k, v in env.items()
@@ -494,7 +504,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             finished = [t.timestamp() for t in Task.objects.filter(pk__in=ids, finished_at__isnull=False)
                         .values_list("finished_at", flat=True)]
             ops = Counter(Operation.objects.filter(task_id__in=ids, args__isnull=False).values_list("kind", flat=True))
-            waits = pipeline_waits(ids)
+            waits = pipeline_waits(ids, turns=turns)
             most_waiting, most_out = most_at_once(ids)
             since = datetime.fromtimestamp(started, tz=timezone.utc)
             commits = sorted(at.timestamp() for at in Checkpoint.objects.filter(task_id__in=ids, at__gte=since)
@@ -507,7 +517,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
     # Each call holds one of the job's slots from its claim until its outcome is recorded: summed, they say how
     # long the run must last at the least, its calls back to back in every slot.
     slot_seconds = sum(sum(waits[f"{kind} call: {IN_JOB}"]) for kind in ("model", "tool")) / 1000
-    floor = slot_seconds / job_cap()
+    floor = slot_seconds / gateway_cap(turns)
     per_minute = statuses.get(TaskStatus.SUCCEEDED, 0) / elapsed * 60
     first = per_pid_max(s for s in sampler.samples if s[0] <= first_wave_end)
     later = per_pid_max(s for s in sampler.samples if s[0] > first_wave_end)
@@ -536,10 +546,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         ["model calls made (fake's count)", f"{calls} ({calls / elapsed:.1f}/s)"],
         ["operations requested (model / tool)", f"{ops.get('model', 0)} / {ops.get('tool', 0)}"],
         ["mean model calls in flight while any was", f"{mean_busy:.0f}"],
-        ["most calls out with gateway jobs at once (a job's cap: LONGHAUL_GATEWAY_INFLIGHT)",
-         f"{most_out} (cap {job_cap()})"],
+        ["most calls out with gateway jobs at once (a job's cap: LONGHAUL_GATEWAY_INFLIGHT, once per turn)",
+         f"{most_out} (cap {gateway_cap(turns)})"],
         ["most calls requested and not yet claimed at once", most_waiting],
-        ["calls' time out with a gateway job (claimed -> recorded), summed; over the job's cap",
+        ["calls' time out with a gateway job (claimed -> recorded), summed; over the jobs' caps",
          f"{slot_seconds:,.0f} s; {floor:.1f} s at the least, the run took {elapsed:.1f} s"],
         [f"the fake's answer to {tasks} requests at once (bare client, pool of {tasks}), p50 / p90",
          f"{h.fmt(h.percentile(fake_answers, 50), 0)} / {h.fmt(h.percentile(fake_answers, 90), 0)} ms "
@@ -601,10 +611,11 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         report.notes.append(
             "Why calls wait to be claimed: a running gateway job claims when it hears a step's commit (LISTEN), on a "
             f"thread and a database connection of its own. The calls {WITH_ROOM} (fewer calls out or waiting before "
-            f"them than the job's cap and than their pool's) waited {h.fmt(with_room['model'], 0)} ms (model) and "
-            f"{h.fmt(with_room['tool'], 0)} ms (tool) at the median: that is the gateway's own wait. "
-            + (f"The others ({held}) were asked for while the job was full "
-               f"({job_cap()} calls out or waiting) or their pool was ({POOL_CONCURRENCY}): "
+            f"them than the jobs' caps, {gateway_cap(turns)}, and than their pool's) waited "
+            f"{h.fmt(with_room['model'], 0)} ms (model) and {h.fmt(with_room['tool'], 0)} ms (tool) at the median: "
+            "that is the gateway's own wait. "
+            + (f"The others ({held}) were asked for while the jobs were full "
+               f"({gateway_cap(turns)} calls out or waiting) or their pool was ({POOL_CONCURRENCY}): "
                f"a wave asks for more at once ({most_waiting} waited to be claimed at the busiest moment), so they "
                "wait for calls to end, as the caps say they must. The slots a job frees are shared among the pools "
                "with calls due (operations.claim_batch). "
@@ -614,6 +625,11 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                "thread per request, in this benchmark's process, on the same two cores) where it takes about 200 "
                "ms with the pools at 400, and the run took 10.9 s, as long. " if held else "")
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
+    if turns > 1:
+        report.notes.append(
+            "With more than one turn a call's claim wait can read below zero: its started_at is the claim's time, "
+            "taken before the claim waits at the claims' lock behind another job's, and a call committed meanwhile "
+            "is among those it claims.")
     around = {kind: {what: h.percentile(waits[f"{kind} call: {what}"], 50) for what in (AROUND, BEFORE_START,
                                                                                          BEFORE_RECORD)}
               for kind in ("model", "tool")}
@@ -631,8 +647,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         "its main thread runs.")
     if next_step >= NEXT_STEP_TARGET_MS:
         report.notes.append(
-            f"Why a task waits for its next step: the {workers} worker processes run the steps, one of them beside "
-            f"the gateway job's thread: {steps_per_s:.0f} steps/s over the run, and {busiest} in the "
+            f"Why a task waits for its next step: the {workers} worker processes run the steps, "
+            + ("one of them beside the gateway job's thread" if turns == 1 else
+               f"up to {turns} of them each beside a gateway job's thread")
+            + f": {steps_per_s:.0f} steps/s over the run, and {busiest} in the "
             f"busiest second, when a backlog kept them going from task to task. Results arrive in waves (the {tasks} "
             "plan answers within a second or two of each other, then their searches, and so on), and a wave's next "
             f"steps queue: {tasks} of them take {tasks / busiest if busiest else 0:.1f} s to drain at that pace, so "
@@ -663,11 +681,16 @@ def main() -> None:
     parser.add_argument("--search", choices=tuple(SEARCHES), default="web",
                         help="web: a loopback search endpoint and pages, as with a search API in production; "
                              "corpus: the offline corpus, searched on the gateway's CPU")
+    parser.add_argument("--turns", type=int, default=1,
+                        help="LONGHAUL_GATEWAY_TURNS: gateway jobs that claim at once, each in a process of its own")
     args = parser.parse_args()
     for name, limit in LIMITS.items():
         if not 0 < getattr(args, name) <= limit:
             parser.error(f"--{name} must be above 0 and at most {limit}")
-    report = run(tasks=args.tasks, delay=args.delay, workers=args.workers, timeout=args.timeout, start=args.start, search=args.search)
+    if args.turns > args.workers:
+        parser.error(f"--turns must be at most --workers ({args.workers}): a worker process holds one turn at a time")
+    report = run(tasks=args.tasks, delay=args.delay, workers=args.workers, timeout=args.timeout, start=args.start,
+                 search=args.search, turns=args.turns)
     print()
     print(report.markdown())
 

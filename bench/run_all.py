@@ -28,8 +28,8 @@ from pathlib import Path
 
 import _harness as h
 
-BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "active_tasks", "idle",
-              "stream_latency", "fairness", "research_quality")
+BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "inflight_turns", "active_tasks",
+              "idle", "stream_latency", "fairness", "research_quality")
 STREAM_TIMEOUT = 600
 
 
@@ -61,6 +61,13 @@ def _inflight() -> h.Report:
     import inflight
 
     return inflight.run()
+
+
+def _inflight_turns() -> h.Report:
+    """The same with two gateway turns: what spreading the calls over both worker processes does on this machine."""
+    import inflight
+
+    return inflight.run(turns=2)
 
 
 def _active_tasks() -> h.Report:
@@ -112,7 +119,8 @@ def _research_quality() -> h.Report:
 
 RUNNERS: dict[str, Callable[[], h.Report]] = {
     "throughput": _throughput, "claim_scale": _claim_scale, "api": _api, "notify_latency": _notify_latency,
-    "inflight": _inflight, "active_tasks": _active_tasks, "idle": _idle, "stream_latency": _stream_latency,
+    "inflight": _inflight, "inflight_turns": _inflight_turns, "active_tasks": _active_tasks, "idle": _idle,
+    "stream_latency": _stream_latency,
     "fairness": _fairness, "research_quality": _research_quality,
 }
 

@@ -378,6 +378,9 @@ LONGHAUL_TASK_CALLS_IN_FLIGHT = envint("LONGHAUL_TASK_CALLS_IN_FLIGHT", 8, minim
 # that the pools, not the job, decide what each remote takes. A job raises its open-file limit to match, or keeps
 # fewer out if it cannot (tasks/descriptors.py).
 LONGHAUL_GATEWAY_INFLIGHT = envint("LONGHAUL_GATEWAY_INFLIGHT", 1000, minimum=1)
+# Gateway jobs that claim calls at once, each holding a turn (an advisory lock), in different worker processes:
+# more than one spreads the calls' CPU over processes (and machines), at the cost of the steps beside them.
+LONGHAUL_GATEWAY_TURNS = envint("LONGHAUL_GATEWAY_TURNS", 1, minimum=1, maximum=64)
 LONGHAUL_GATEWAY_SLICE_SECONDS = envfloat("LONGHAUL_GATEWAY_SLICE_SECONDS", 60.0, minimum=1.0)
 LONGHAUL_OPERATION_LEASE_SECONDS = envfloat("LONGHAUL_OPERATION_LEASE_SECONDS", 180.0, minimum=1.0)
 LONGHAUL_NOTIFY_RETRY_BASE_SECONDS = envfloat("LONGHAUL_NOTIFY_RETRY_BASE_SECONDS", 2.0, minimum=0.0)

@@ -6,7 +6,7 @@ as before. Only what sits under the cluster's own
 key is work a worker running steps should make way for (a delivery, a sweep): a step kick
 is only a hint for a task that is due in the task table, where a worker that is already
 running steps takes it straight away (tasks/runner.py), and a gateway kick is only a hint
-while a gateway job holds the turn, which hears the calls requested (tasks/requested.py).
+while gateway jobs hold every turn, which hear the calls requested (tasks/requested.py).
 Keeping them apart is what lets the runner's probe tell them apart in one indexed query.
 
 On PostgreSQL the pusher, when its queue is empty, waits for a kick instead of sleeping: the statement
@@ -29,6 +29,7 @@ from functools import lru_cache
 from time import monotonic, sleep
 from typing import Any
 
+from django.conf import settings
 from django.db import connections
 from django.db.models import QuerySet
 from django.utils import timezone
@@ -45,20 +46,27 @@ STEPS_SUFFIX = ":steps"
 GATEWAY_SUFFIX = ":gateway"
 LISTEN_WAIT_SECONDS = 1.0  # the longest a listening pusher waits on an empty queue (unless POLL is longer)
 DUE_MARGIN_SECONDS = 0.01  # a wait's timeout may end a millisecond early: wake once the row is due, not just before
-# The session advisory lock a gateway job holds while it claims calls (tasks/operations.py).
+# The session advisory locks gateway jobs hold while they claim calls (tasks/operations.py): one per turn, the
+# first LONGHAUL_GATEWAY_TURNS keys from this one (all below 2**32, so each is pg_locks' objid with classid 0).
 GATEWAY_TURN_KEY = zlib.crc32(b"longhaul-gateway-turn")
-# While a gateway job holds the turn (PostgreSQL's advisory lock, which pg_locks lists), it hears the calls
-# steps request: their gateway kicks are only hints. SQLite has no such lock; a gateway kick always counts.
-TURN_FREE = ("NOT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND classid = 0 AND objid = %s "
-             "AND objsubid = 1 AND granted "
-             # Advisory locks are the server's: another database's gateway job holds another turn.
-             "AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))")
+# While gateway jobs hold every turn (PostgreSQL's advisory locks, which pg_locks lists), they hear the calls
+# steps request: their gateway kicks are only hints. While a turn is free, a kick starts a job that takes it.
+# SQLite has no such lock; a gateway kick always counts. Its parameter: gateway_turn_keys().
+TURN_FREE = ("EXISTS (SELECT 1 FROM unnest(%s::bigint[]) AS turn (key) WHERE NOT EXISTS (SELECT 1 FROM pg_locks "
+             "WHERE locktype = 'advisory' AND classid = 0 AND objid::bigint = turn.key AND objsubid = 1 AND granted "
+             # Advisory locks are the server's: another database's gateway jobs hold other turns.
+             "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())))")
 # A step's statement that stores calls looks at the turn before it commits: it holds this key's lock, shared, from
 # before that look until its commit, and a job giving the turn back takes it alone, so waits for such statements
-# (operations.end_gateway_turn). Its parameters: GATEWAY_GATE_KEY, GATEWAY_TURN_KEY. CASE takes the lock before
+# (operations.end_gateway_turn). Its parameters: GATEWAY_GATE_KEY, gateway_turn_keys(). CASE takes the lock before
 # it looks: PostgreSQL runs the look at pg_locks (an InitPlan) when the result first needs it.
 GATEWAY_GATE_KEY = zlib.crc32(b"longhaul-gateway-gate")
 TURN_FREE_BEHIND_GATE = f"CASE WHEN pg_advisory_xact_lock_shared(%s) IS NOT NULL THEN {TURN_FREE} END"
+
+
+def gateway_turn_keys() -> list[int]:
+    """The advisory lock keys of the gateway's turns (LONGHAUL_GATEWAY_TURNS of them)."""
+    return [GATEWAY_TURN_KEY + n for n in range(settings.LONGHAUL_GATEWAY_TURNS)]
 
 
 def steps_key(cluster: str) -> str:
@@ -92,8 +100,9 @@ def _due_rows(*, queue: str, steps: str, gateway: str, now: datetime) -> QuerySe
 
 def jobs_waiting_sql(*, postgresql: bool) -> str:
     """A query with a row when work a worker running steps should make way for is due: a job under this
-    cluster's own key (a delivery, a sweep), or a gateway kick that no job holding the turn hears. One pass
-    over the broker's rows for both keys (the turn is looked up once, if a gateway kick waits). Its
+    cluster's own key (a delivery, a sweep), or a gateway kick while a turn is free (no job holding one would
+    hear it). One pass over the broker's rows for both keys (the turns are looked up once, if a gateway kick
+    waits). Its
     parameters: jobs_waiting_params()."""
     turn_free = TURN_FREE if postgresql else "1 = 1"
     return (f"SELECT 1 FROM {OrmQ._meta.db_table} WHERE lock <= %s "
@@ -102,7 +111,7 @@ def jobs_waiting_sql(*, postgresql: bool) -> str:
 
 def jobs_waiting_params(now: datetime, *, postgresql: bool) -> tuple:
     queue = own_queue()
-    return (now, queue, gateway_key(queue), *((GATEWAY_TURN_KEY,) if postgresql else ()))
+    return (now, queue, gateway_key(queue), *((gateway_turn_keys(),) if postgresql else ()))
 
 
 class Broker(ORM):
@@ -127,7 +136,7 @@ class Broker(ORM):
     def dequeue(self):
         # ORM.dequeue, over its keys, in no order (as there: an ORDER BY would sort every due row each poll) but
         # for a gateway kick, taken first: the job it starts runs the calls of every task waiting for one, where
-        # a step kick serves one task. A due gateway kick means no job holds the turn (the job that takes it
+        # a step kick serves one task. A due gateway kick means a turn is free (the job that takes the last one
         # withdraws them: operations.take_gateway_turn), and taken in no order it waited behind the step kicks,
         # seconds in a wave of them, while the calls the steps asked for waited for a job.
         queue, steps, gateway = self.keys

@@ -45,6 +45,22 @@ def pools_named(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMess
             for key in sorted(set(settings.LONGHAUL_POOLS) - known)]
 
 
+@checks.register()
+def gateway_turns(app_configs: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """No more gateway turns than worker processes to hold them: a process holds one at a time, and while a turn
+    is free every step asking for calls kicks a job that takes it, so a turn no process can take means a kick
+    per step, each running a job that starts nothing."""
+    from django.conf import settings
+
+    if settings.LONGHAUL_GATEWAY_TURNS <= settings.LONGHAUL_STEP_WORKERS:
+        return []
+    return [checks.Warning(
+        f"LONGHAUL_GATEWAY_TURNS is {settings.LONGHAUL_GATEWAY_TURNS}, above the {settings.LONGHAUL_STEP_WORKERS} "
+        "worker processes (LONGHAUL_STEP_WORKERS) that could hold them: the turns left free make every step asking "
+        "for calls kick a gateway job that starts nothing",
+        hint="Set LONGHAUL_GATEWAY_TURNS to at most the worker processes of every machine.", id="longhaul.W003")]
+
+
 @checks.register(checks.Tags.database)
 def autovacuum_runs(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
     """PostgreSQL's autovacuum runs on the tables the hot path rewrites. Without it their dead rows stay and

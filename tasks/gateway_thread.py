@@ -6,8 +6,10 @@ worker slots for the whole slice and then until its last call answered, and the 
 made due queued behind the machine's other workers; on a machine of one worker, behind the calls. The job
 now starts the event loop on a thread and returns: the worker goes on taking jobs while the calls are out.
 
-One thread of a process holds the gateway turn at a time. A kick that comes meanwhile does nothing: that
-thread claims what is due, as the job holding the turn did. Otherwise a kick starts a thread, which tries
+One thread of a process holds a gateway turn at a time. A kick that comes meanwhile does nothing: that
+thread claims what is due, as the job holding the turn did; so where a database has more than one turn
+(LONGHAUL_GATEWAY_TURNS), the others go to other processes (two threads of one process that try at the same
+moment may both take one: they share the process's cap). Otherwise a kick starts a thread, which tries
 for the turn on a database connection of its own (operations.pump), beside a thread that has given the
 turn back and only waits for its last calls. The calls out of all of them count against the process's one
 cap (LONGHAUL_GATEWAY_INFLIGHT).

@@ -40,8 +40,8 @@ def run_operations(task_id: int) -> None:
     this worker's jobs (tasks/gateway_thread.py), and return: the worker takes the next job while the calls
     are out. Nothing to start while a thread of this process holds the turn: it claims them.
 
-    On PostgreSQL only one gateway job claims at a time; a job that finds another claiming
-    ends at once (see tasks/operations.py)."""
+    On PostgreSQL one gateway job claims at a time per turn (LONGHAUL_GATEWAY_TURNS, one by default); a job
+    that finds every turn taken ends at once (see tasks/operations.py)."""
     with drain.job():
         if drain.draining.is_set():
             kicks.kick("operations", task_id)

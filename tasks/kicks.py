@@ -7,7 +7,7 @@ kick is the same row with its `lock` in the future; the broker delivers it then.
 Step kicks (`advance`) and gateway kicks (`operations`) go under keys of their own, beside
 the cluster's queue (tasks/broker.py), so a worker running steps can ask "does other work
 wait?" without counting the hints for tasks it may take from the task table itself, nor
-those for calls that the gateway job holding the turn has heard of already.
+those for calls that the gateway jobs holding every turn have heard of already.
 
 A step kick names its task, or DUE_LONGEST: then it is for whichever task has been due longest
 (kick_steps). Work that others carry on (a turn ended, a task handed on, a batch of steps made due) is
@@ -33,10 +33,10 @@ from django_q.signing import SignedPackage
 from tasks import leases, prepared
 from tasks.broker import (
     GATEWAY_GATE_KEY,
-    GATEWAY_TURN_KEY,
     TURN_FREE,
     TURN_FREE_BEHIND_GATE,
     gateway_key,
+    gateway_turn_keys,
     jobs_waiting_params,
     jobs_waiting_sql,
     steps_key,
@@ -58,7 +58,7 @@ JOBS = {
 QUEUES: dict[str, str] = {}
 # Jobs whose kicks are hints for a task due in the task table: the main cluster's step kicks.
 STEP_JOBS = frozenset({"advance"})
-# Jobs whose kicks are hints for a gateway job: none is needed while one holds the turn.
+# Jobs whose kicks are hints for a gateway job: none is needed while jobs hold every turn.
 GATEWAY_JOBS = frozenset({"operations"})
 def register_job(name: str, dotted_path: str, *, queue: str | None = None) -> None:
     """Let kick(name, ...) run the function at `dotted_path`; called from an AppConfig.ready().
@@ -103,46 +103,46 @@ def step_workers() -> int:
 
 def kick_calls(task_id: int, *, at: datetime) -> None:
     """In the commit that requested the task's calls, due at `at` (inside its transaction): a gateway job for
-    them, unless the job holding the turn will hear them. (A step's statement that stores calls due now and
+    them, unless jobs holding every turn will hear them. (A step's statement that stores calls due now and
     commits by itself kicks within it: calls_kick_in_move.)
 
-    That job hears the commit (tasks/requested.py), and on its way out, once it has given the turn back, it
-    kicks what is left (operations.kick_if_claimable); a kick would only run a job that is refused the turn,
+    Each such job hears the commit (tasks/requested.py), and on its way out, once it has given its turn back,
+    it kicks what is left (operations.kick_if_claimable); a kick would only run a job that is refused a turn,
     one per step that asked for calls. So on PostgreSQL a kick for calls due now is put on the queue after
-    the commit, by one statement that does nothing while the turn is held: a job seen holding it then gives
+    the commit, by one statement that does nothing while every turn is held: a job seen holding one then gives
     it back after the calls were committed, and its look on the way out finds them. A process that dies
     between the commit and that statement leaves the calls to the sweeper. A kick for later is kicked as
-    ever: by then the job holding the turn may have ended. SQLite has no turn: its kicks always count."""
+    ever: by then the jobs holding the turns may have ended. SQLite has no turn: its kicks always count."""
     now = timezone.now()
     if connection.vendor != "postgresql" or at > now:
         kick("operations", task_id, at=at)
         return
     row = _message("operations", task_id, at=None, now=now)
     # robust: the step has committed whatever happens here; a kick lost is the sweeper's to make.
-    transaction.on_commit(functools.partial(_kick_unless_turn_held, row), robust=True)
+    transaction.on_commit(functools.partial(_kick_while_a_turn_is_free, row), robust=True)
 
 
 def calls_kick_in_move(task_id: int) -> tuple[str, list[Any]]:
     """The gateway kick of a step's statement that stores its calls, due now, and commits by itself (the step's
     move, tasks/transitions.py, whose UPDATE this INSERT ... SELECT reads as `moved`), and its parameters: written
-    when the move wins, unless a job holds the turn. kick_calls looks after the commit, one statement more; this
+    when the move wins, unless jobs hold every turn. kick_calls looks after the commit, one statement more; this
     look comes before the commit, so a job could give the turn back between the two and miss the calls in its
     last look. The statement holds GATEWAY_GATE_KEY's lock, shared, from before its look until its commit, and a
     job giving the turn back takes that lock alone before its last look (operations.end_gateway_turn): it waits
-    for each statement that saw the turn held, and then sees its calls."""
+    for each statement that saw every turn held, and then sees its calls."""
     row = _message("operations", task_id, at=None, now=timezone.now())
     fields = [OrmQ._meta.get_field(name) for name in ("key", "payload", "lock")]
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
     sql = (f"INSERT INTO {connection.ops.quote_name(OrmQ._meta.db_table)} ({columns}) "
            f"SELECT {', '.join(map(typed_param, fields))} "
            f"FROM moved WHERE {TURN_FREE_BEHIND_GATE}")
-    return sql, [row.key, row.payload, row.lock, GATEWAY_GATE_KEY, GATEWAY_TURN_KEY]
+    return sql, [row.key, row.payload, row.lock, GATEWAY_GATE_KEY, gateway_turn_keys()]
 
 
-def _kick_unless_turn_held(row: OrmQ) -> None:
+def _kick_while_a_turn_is_free(row: OrmQ) -> None:
     with connection.cursor() as cursor:
         cursor.execute(f"INSERT INTO {OrmQ._meta.db_table} (key, payload, lock) SELECT %s, %s, %s "
-                       f"WHERE {TURN_FREE}", [row.key, row.payload, row.lock, GATEWAY_TURN_KEY])
+                       f"WHERE {TURN_FREE}", [row.key, row.payload, row.lock, gateway_turn_keys()])
 
 
 def _message(job: str, task_id: int, *, at: datetime | None, now: datetime) -> OrmQ:
@@ -167,10 +167,10 @@ def withdraw(kick_id: int) -> None:
 
 
 def withdraw_gateway_kicks(now: datetime) -> int:
-    """Delete the gateway kicks due now; by the job that has just taken the turn. They asked for a job to run
-    the calls requested, which this one claims next; one was kicked as each step that asked committed while
-    no job held the turn, and each would run a job only to be refused it. Kicks for later (a pool's rate
-    held back, a job's watchdog) stay."""
+    """Delete the gateway kicks due now; by the job that has just taken the last turn free. They asked for a
+    job to run the calls requested, which this one claims next; one was kicked as each step that asked
+    committed while a turn was free, and each would run a job only to be refused one. Kicks for later (a
+    pool's rate held back, a job's watchdog) stay."""
     return OrmQ.objects.filter(key=queue_of("operations"), lock__lte=now).delete()[0]
 
 

@@ -16,10 +16,13 @@ that stop a remote job (tasks/cancel) run whatever became of their task: an aban
 requested in the very transaction that ends the task, and a remote job whose tools/call
 finished after its task had ended is stopped the same way.
 
-On PostgreSQL one gateway job claims at a time per database (a session advisory lock):
-one event loop keeps hundreds of calls in flight, and a second would only split them. A job
-that finds the lock taken returns at once; the holder kicks again on its way out if
-work is left, so nothing waits for the sweeper while a holder lives. A worker runs the job's
+On PostgreSQL one gateway job claims at a time per turn (a session advisory lock), and a
+database has LONGHAUL_GATEWAY_TURNS of them, one by default: one event loop keeps hundreds of
+calls in flight, and more split the calls' CPU over processes at the cost of the steps beside
+them. A job that finds every turn taken returns at once; a holder kicks again on its way out if
+work is left, so nothing waits for the sweeper while a holder lives. Jobs holding turns at once
+all hear the steps' commits and claim in shares (SHARE_AT_MOST), one after another at the claims'
+lock, so the limits hold however many claim and a wave of calls spreads over their processes. A worker runs the job's
 event loop on a thread beside its own jobs (tasks/gateway_thread.py), so the calls out hold
 no worker: the steps their results make due have every worker process of the machine.
 """
@@ -81,6 +84,9 @@ WATCHDOG_STEP = timedelta(seconds=2)
 CLIENT_SHARDS = 8
 BATCH_AT_MOST = 50  # outcomes recorded in one transaction
 WRITERS = 2  # a gateway job's batches of outcomes written at once (Recorder)
+# With more than one turn, the calls one claim of a job takes at most: the jobs that heard the same commit wait at
+# the claims' lock, and take the next share in turn, so a wave of calls is spread over their processes.
+SHARE_AT_MOST = 50
 LOST = ("the gateway job running this call stopped before it answered, so the call may or may not have started; "
         "it is not run again")
 
@@ -252,38 +258,50 @@ def first_due(task_id: int, step: int, now: datetime) -> datetime:
 # --- the gateway side ----------------------------------------------------------
 
 
-# One gateway job claims at a time, per database: the key of its session advisory lock.
+# Gateway jobs claim at a time, per database, one per turn (LONGHAUL_GATEWAY_TURNS): the key of the first
+# turn's session advisory lock (broker.gateway_turn_keys).
 GATEWAY_TURN_KEY = broker.GATEWAY_TURN_KEY
+CLAIMS_KEY = zlib.crc32(b"longhaul-gateway-claims")  # the transaction advisory lock every claim takes
 
 
-def take_gateway_turn() -> bool:
-    """Try to become the job that claims operations; False when another job is claiming.
+def take_gateway_turn() -> int | None:
+    """Try to become a job that claims operations: the key of the turn taken, or None when every turn is
+    held by another job.
 
     A session lock, not a transaction's: it is held across the many short claim
     transactions of one job, and PostgreSQL drops it if the job's process dies.
-    SQLite (the embedded mode) has no advisory locks; its gateway jobs share the work.
-    The job that takes the turn withdraws the gateway kicks due now: it claims their calls
-    next, and each would only run a job that is refused the turn (kicks.withdraw_gateway_kicks).
+    SQLite (the embedded mode) has no advisory locks; its gateway jobs share the work (each "takes" the first
+    turn's key, and holds nothing).
+    The job that takes the last turn free withdraws the gateway kicks due now: it and the others claim their
+    calls next, and each would only run a job that is refused a turn (kicks.withdraw_gateway_kicks).
     """
     # The caller's connection (a gateway job's own, operations.pump) may have gone bad since its last use: drop it.
     close_old_connections()
     if connection.vendor != "postgresql":
-        return True
+        return GATEWAY_TURN_KEY
+    turns = broker.gateway_turn_keys()
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_lock(%s)", [GATEWAY_TURN_KEY])
-        taken = bool(cursor.fetchone()[0])
-    if taken:
+        for key in turns:
+            cursor.execute("SELECT pg_try_advisory_lock(%s)", [key])
+            if cursor.fetchone()[0]:
+                break
+        else:
+            return None
+        cursor.execute(f"SELECT {broker.TURN_FREE}", [turns])
+        [a_turn_free] = cursor.fetchone()
+    if not a_turn_free:
         kicks.withdraw_gateway_kicks(clock.now())
-    return taken
+    return key
 
 
-def end_gateway_turn() -> None:
-    """Give the turn back; then wait for the step statements that saw it held, so that the look that follows
-    (kick_if_claimable) sees their calls: such a statement kicked no job for them (kicks.calls_kick_in_move)."""
+def end_gateway_turn(key: int) -> None:
+    """Give the turn of `key` back; then wait for the step statements that saw every turn held, so that the look
+    that follows (kick_if_claimable) sees their calls: such a statement kicked no job for them
+    (kicks.calls_kick_in_move)."""
     if connection.vendor != "postgresql":
         return
     with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_advisory_unlock(%s)", [GATEWAY_TURN_KEY])
+        cursor.execute("SELECT pg_advisory_unlock(%s)", [key])
         cursor.execute("SELECT pg_advisory_lock(%s)", [broker.GATEWAY_GATE_KEY])
         cursor.execute("SELECT pg_advisory_unlock(%s)", [broker.GATEWAY_GATE_KEY])
 
@@ -459,11 +477,15 @@ def kick_if_claimable() -> bool:
     return True
 
 
-def _lock_pool(key: str) -> None:
-    """Serialize claims of one pool across processes, so its limits hold everywhere."""
+def _lock_claims() -> None:
+    """Serialize claims across processes, so that the limits hold everywhere: a pool's (its slots, its rate, its
+    tenants' shares), and a task's over all pools (LONGHAUL_TASK_CALLS_IN_FLIGHT). So one lock for every pool's
+    claims, not one per pool: jobs holding different turns (LONGHAUL_GATEWAY_TURNS) claiming two pools at once
+    would each count a task's calls out without the other's, and together exceed its cap. A claim is one short
+    transaction; the calls it starts run outside it."""
     if connection.vendor == "postgresql":
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [zlib.crc32(f"longhaul-pool-{key}".encode())])
+            cursor.execute("SELECT pg_advisory_xact_lock(%s)", [CLAIMS_KEY])
     # SQLite: the IMMEDIATE transaction already holds the database's write lock.
 
 
@@ -503,7 +525,7 @@ def _claim_from_pool(key: str, *, owner: str, at_most: int, now: datetime) -> li
     """Up to `at_most` of the pool's due calls, within its room, started under `owner`'s lease."""
     lease = timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
     with transaction.atomic():
-        _lock_pool(key)
+        _lock_claims()
         pool = pools.state(key, now=now)
         busy = _busy_by_tenant(key, now)
         room = min(_room(pool, now, in_flight=sum(busy.values())), at_most)
@@ -1080,29 +1102,36 @@ def release(*, owner: str, ids: Iterable[int]) -> int:
 async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = lambda: None,
                stopped_claiming: Callable[[], None] = lambda: None) -> int | None:
     """Claim and run operations until none are due or `run_for` seconds have passed; returns how
-    many ran, or None when another job holds the gateway turn. `took_turn` is called once the job
-    holds the turn, `stopped_claiming` once it claims no more (it may still wait for its calls out).
+    many ran, or None when other jobs hold every gateway turn. `took_turn` is called once the job
+    holds a turn, `stopped_claiming` once it claims no more (it may still wait for its calls out).
 
     The turn is held on the claims' own connection: in a process whose next job starts while this one
     waits for its last calls (tasks/gateway_thread.py), each job's turn is a session of its own, so the
-    next is refused while this one holds it, and closing one job's connections drops no other's turn."""
+    next cannot take the same turn while this one holds it, and closing one job's connections drops no
+    other's turn."""
     import httpx2
 
     claims = DatabaseThread("gateway-claims")
-    holding = False
+    turn = None
     try:
-        holding = await claims.run(take_gateway_turn)
+        turn = await claims.run(take_gateway_turn)
     finally:
-        if not holding:
+        if turn is None:
             await claims.close()
-    if not holding:
+    if turn is None:
         return None
+    holding = True
     in_flight: dict[asyncio.Task[None], int] = {}  # each call out, and its operation's id
     watchdog = Watchdog()
     recorder = Recorder(owner)
     listener = requested.Listener()
     ran = 0
     cap = calls_at_most(settings.LONGHAUL_GATEWAY_INFLIGHT)
+    # With one turn, a job with nothing out and nothing due ends: the next step that asks for calls kicks one. With
+    # more, it keeps its turn and listens until its slice ends: given back, the turn would be free, and every step
+    # asking for calls would kick a job to take it, one job per step, each finding its calls already claimed by a
+    # job that heard them.
+    several_turns = keeps_turn_idle = settings.LONGHAUL_GATEWAY_TURNS > 1
     # httpx2's default pool holds 100 connections whatever the cap says. Each client may open them all (the
     # process's cap bounds the calls out), and keeps its share open between calls.
     pool = httpx2.Limits(max_connections=cap, max_keepalive_connections=-(-cap // CLIENT_SHARDS))
@@ -1123,7 +1152,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                     break
                 if holding and not claiming and in_flight:
                     # The slice is over: let the next job claim while this one waits for its last calls.
-                    await claims.run(end_gateway_turn)
+                    await claims.run(end_gateway_turn, turn)
                     holding = False
                     stopped_claiming()
                     await listener.stop()
@@ -1133,18 +1162,23 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                 batch, anything_due = [], True
                 if room > 0 and claiming:
                     listener.heard.clear()  # before the claim: a commit heard during it calls for another
-                    batch, retries, anything_due = await claims.run(_claim_for, owner, room, watchdog)
+                    share = min(room, SHARE_AT_MOST) if several_turns else room
+                    batch, retries, anything_due = await claims.run(_claim_for, owner, share, watchdog)
                     for op in batch:
                         in_flight[asyncio.create_task(_run_one(
                             op, owner=owner, client=clients[op.pk % CLIENT_SHARDS], recorder=recorder,
                             retries=retries.get(op.task_id, 0)))] = op.pk
                     ran += len(batch)
+                    if len(batch) == share < room:
+                        continue  # more may be due: claim again, after the other jobs waiting at the claims' lock
                 if not in_flight:
-                    if not (claiming and room <= 0):
+                    if claiming and room <= 0:
+                        # The process's other job, waiting for its last calls, fills the cap: look again once some
+                        # end.
+                        await asyncio.sleep(requested.LOOK_EVERY)
+                        continue
+                    if not (claiming and keeps_turn_idle):
                         break
-                    # The process's other job, waiting for its last calls, fills the cap: look again once some end.
-                    await asyncio.sleep(requested.LOOK_EVERY)
-                    continue
                 # Until a call ends, calls are requested (while there is room to claim them), or it is time to look.
                 # After a claim that found calls due but took none (their pools full or held back), what is heard
                 # waits for a call to end or that look: it could only be held back too. After one that found
@@ -1152,6 +1186,9 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                 listen = (claiming and (bool(batch) or not anything_due)
                           and calls_out() < cap)
                 heard = asyncio.create_task(listener.heard.wait()) if listen else None
+                if not in_flight and heard is None:  # its calls due are held back: look again
+                    await asyncio.sleep(requested.LOOK_EVERY)
+                    continue
                 done, _ = await asyncio.wait({*in_flight, *([heard] if heard else [])}, timeout=requested.LOOK_EVERY,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if heard is not None:
@@ -1174,7 +1211,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
         finally:
             try:
                 if holding:
-                    await claims.run(end_gateway_turn)
+                    await claims.run(end_gateway_turn, turn)
                     holding = False
                 stopped_claiming()
                 # Also after a late drain: calls due when the pool was full (of this job's calls) wait for a kick.
@@ -1245,7 +1282,7 @@ def _claim_for(owner: str, limit: int, watchdog: Watchdog) -> tuple[list[Operati
 
 def run_due(*, run_for: float | None = None, took_turn: Callable[[], None] = lambda: None,
             stopped_claiming: Callable[[], None] = lambda: None) -> int | None:
-    """The gateway job's body: one event loop running many calls at once (None: another job had the turn)."""
+    """The gateway job's body: one event loop running many calls at once (None: other jobs had every turn)."""
     owner = leases.worker_identity()
     return asyncio.run(pump(owner=owner, run_for=settings.LONGHAUL_GATEWAY_SLICE_SECONDS if run_for is None
                             else run_for, took_turn=took_turn, stopped_claiming=stopped_claiming))

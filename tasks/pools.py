@@ -112,7 +112,7 @@ def known() -> list[str]:
     return sorted(keys)
 
 
-# --- the claim side: called by tasks/operations.py under the pool's lock ----------------
+# --- the claim side: called by tasks/operations.py under the claims' lock --------------
 
 
 def state(key: str, *, now: datetime) -> Pool:

@@ -242,7 +242,7 @@ def _commit(task: Task, token: int, driver: Driver, outcome: Outcome, ctx: StepC
           and transitions.calls_commit_alone(events, tool=_asks_for_tools(outcome))
           and not _quiet(outcome, state_before, events, task.current_step)):
         # A step that asks for calls a gateway job runs now (research): the move, its checkpoint, its events, the
-        # calls and their gateway kick (while no job holds the turn) in one fenced statement that commits by
+        # calls and their gateway kick (while a turn is free) in one fenced statement that commits by
         # itself. It loses, writing nothing, when the lease moved on, a stop or the slot back was asked for, or a
         # pool of its calls is paused (news the locked commit below writes with the move).
         if _wait_for_requests(task, token, outcome, events, now=now, guard=transitions.NO_STOP_REQUESTED,

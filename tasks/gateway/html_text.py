@@ -1,7 +1,7 @@
 """The text a reader sees of an HTML page: what the visit tool returns of one.
 
-Pages are read by lxml (libxml2's HTML parser, in C). Every visit of every task runs on the one gateway job
-holding the turn, in threads that share its event loop's interpreter lock; BeautifulSoup with Python's
+Pages are read by lxml (libxml2's HTML parser, in C). Every visit of every task runs on a gateway job holding a
+turn (one, by default), in threads that share its event loop's interpreter lock; BeautifulSoup with Python's
 html.parser spent 110 ms of that lock on a 147 KB page (the Python docs' asyncio-task.html, here); this module
 4.2 ms, of which lxml's parse 2 ms.
 BeautifulSoup still reads the bytes' encoding (UnicodeDammit: the declared charset, a <meta> one, a BOM, then

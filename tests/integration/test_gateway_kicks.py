@@ -44,12 +44,13 @@ def test_the_job_that_takes_the_turn_withdraws_the_gateway_kicks_due_and_keeps_t
     later = kicks.kick("operations", 0, at=clock.now() + timedelta(minutes=5))
     other = kicks.kick("advance", 1)
 
-    assert operations.take_gateway_turn()
+    turn = operations.take_gateway_turn()
+    assert turn is not None
     try:
         assert gateway_kicks() == {later}, "the due ones withdrawn, the one for later kept"
         assert OrmQ.objects.filter(pk=other).exists(), "a step kick is not the job's to withdraw"
     finally:
-        operations.end_gateway_turn()
+        operations.end_gateway_turn(turn)
     assert due.isdisjoint(gateway_kicks())
 
 
@@ -59,7 +60,7 @@ def test_a_job_refused_the_turn_withdraws_nothing():
     holder = psycopg.connect(requested.conninfo(), autocommit=True)  # another job's, holding the turn
     try:
         holder.execute("SELECT pg_advisory_lock(%s)", [broker.GATEWAY_TURN_KEY])
-        assert not operations.take_gateway_turn()
+        assert operations.take_gateway_turn() is None
         assert gateway_kicks() == due
     finally:
         holder.close()

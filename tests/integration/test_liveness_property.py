@@ -68,6 +68,7 @@ from chat.models import Message, Run, Thread, ThreadItem
 from chat.streams import STATUS_CHANGE_KINDS, number_new_items
 from tasks import (
     actions,
+    broker,
     clock,
     deletion,
     gateway_thread,
@@ -98,6 +99,8 @@ pytestmark = [pytest.mark.django_db(transaction=True),
 
 # 150 examples take about 7 minutes on a 2-core machine, a quarter of the suite's work: make test's budget.
 EXAMPLES = int(os.environ.get("LONGHAUL_PROPERTY_EXAMPLES", "150"))
+GATEWAY_RUN_FOR = 2.0  # the slice of the gateway jobs the machine runs itself, in seconds
+TURNS_EXAMPLES = max(1, EXAMPLES // 3)  # the same machine with two gateway turns: what differs is the kicks' condition
 STEPS = int(os.environ.get("LONGHAUL_PROPERTY_STEPS", "15"))
 EXPLORE = os.environ.get("LONGHAUL_PROPERTY_RANDOM") == "1"
 START = datetime(2031, 3, 1, 12, 0, tzinfo=UTC)
@@ -678,7 +681,8 @@ class LivenessMachine(RuleBasedStateMachine):
         self.kick_lost_at: datetime | None = None
         self.seen: set[str] = set()
         self.remote_tasks = 0
-        self.turn_elsewhere: psycopg.Connection | None = None  # the session of another process's gateway job
+        self.turn_elsewhere: psycopg.Connection | None = None  # the session of other processes' gateway jobs
+        self.turns_elsewhere: list[int] = []  # the turns it holds
 
     # --- helpers
 
@@ -845,7 +849,7 @@ class LivenessMachine(RuleBasedStateMachine):
                 for row in due:
                     take_and_run(row)
             elif operations.due_exists(self.now()):
-                operations.run_due(run_for=2)
+                operations.run_due(run_for=GATEWAY_RUN_FOR)
             else:
                 return
 
@@ -858,17 +862,20 @@ class LivenessMachine(RuleBasedStateMachine):
             self.deaths += 1
             operations.claim_batch(owner=f"dead-gateway:{self.deaths}", limit=limit, now=self.now())
         elif operations.due_exists(self.now()):
-            operations.run_due(run_for=2)
+            operations.run_due(run_for=GATEWAY_RUN_FOR)
 
-    @rule(holds=st.booleans(), dies=st.booleans())
-    def gateway_elsewhere(self, holds, dies):
-        """Another process's gateway job takes the turn and claims nothing while it holds it (its calls out fill
-        its cap), so the steps meanwhile kick no gateway job; or it gives the turn back, kicking what is left on
-        its way out, or dies holding it (its session ends, and the lock with it)."""
+    @rule(holds=st.booleans(), dies=st.booleans(), turns=st.integers(1, 2))
+    def gateway_elsewhere(self, holds, dies, turns):
+        """Other processes' gateway jobs take turns (`turns` of those there are) and claim nothing while they hold
+        them (their calls out fill their caps): while they hold every turn the steps kick no gateway job, and while
+        one is free they kick a job that takes it. Or they give their turns back, kicking what is left on their
+        way out, or die holding them (their session ends, and the locks with it)."""
         if holds and self.turn_elsewhere is None:
             session = psycopg.connect(requested.conninfo(), autocommit=True)
-            if session.execute("SELECT pg_try_advisory_lock(%s)", [operations.GATEWAY_TURN_KEY]).fetchone()[0]:
-                self.turn_elsewhere = session
+            taken = [key for key in broker.gateway_turn_keys()[:turns]
+                     if session.execute("SELECT pg_try_advisory_lock(%s)", [key]).fetchone()[0]]
+            if taken:
+                self.turn_elsewhere, self.turns_elsewhere = session, taken
             else:
                 session.close()
         elif not holds and self.turn_elsewhere is not None:
@@ -879,7 +886,8 @@ class LivenessMachine(RuleBasedStateMachine):
         if dies:
             session.close()
             return
-        session.execute("SELECT pg_advisory_unlock(%s)", [operations.GATEWAY_TURN_KEY])
+        for key in self.turns_elsewhere:
+            session.execute("SELECT pg_advisory_unlock(%s)", [key])
         session.close()
         operations.kick_if_claimable()
 
@@ -967,7 +975,7 @@ class LivenessMachine(RuleBasedStateMachine):
                 self.workers_catch_up(rounds=1)
             case "thread deleted":
                 if self.thread_ids:
-                    self.thread_is_deleted(i)
+                    self.user_deletes_thread(i)
             case "user chats":
                 if self.thread_ids:
                     self.user_chats(i)
@@ -1117,7 +1125,7 @@ class LivenessMachine(RuleBasedStateMachine):
             elif operations.due_exists(now):
                 if not watches_only:
                     idle_sweeps = 0
-                operations.run_due(run_for=2)
+                operations.run_due(run_for=GATEWAY_RUN_FOR)
             elif now - last_sweep >= SWEEP_EVERY:
                 sweep(now)
                 last_sweep = now
@@ -1151,10 +1159,27 @@ class LivenessMachine(RuleBasedStateMachine):
 
 
 def test_nothing_is_ever_stranded(world):
+    explore(world, examples=EXAMPLES)
+
+
+def test_nothing_is_ever_stranded_with_two_gateway_turns(world, settings, monkeypatch):
+    """The same machine where gateway jobs may claim at once (LONGHAUL_GATEWAY_TURNS): another process's jobs hold
+    one turn or both, the steps write gateway kicks while one is free, a job keeps its turn for its slice. Its
+    checks are the same: no task or thread is ever stranded, the records stay consistent. (They look at tasks,
+    not at gateway kicks: a call whose kick went missing is still claimed by the machine's next gateway rule.)"""
+    settings.LONGHAUL_GATEWAY_TURNS = 2
+    # A job holding one of several turns keeps it for its whole slice, even with nothing to do: short slices, so
+    # that each rule's job (and a kick's) ends soon after its calls.
+    settings.LONGHAUL_GATEWAY_SLICE_SECONDS = 0.2
+    monkeypatch.setattr(f"{__name__}.GATEWAY_RUN_FOR", 0.2)
+    explore(world, examples=TURNS_EXAMPLES)
+
+
+def explore(world: dict, *, examples: int) -> None:
     LivenessMachine.world = world
     REACHED.clear()
     run_state_machine_as_test(LivenessMachine, settings=hsettings(
-        max_examples=EXAMPLES,
+        max_examples=examples,
         stateful_step_count=STEPS,
         deadline=None,
         derandomize=not EXPLORE,

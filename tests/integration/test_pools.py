@@ -99,13 +99,13 @@ def test_the_pool_whose_call_was_asked_for_first_goes_first(acme, alice):
 
 
 # A claim of one pool's call: the read of calls whose job died (lost, poison), the pools with calls due; in the
-# pool's transaction (BEGIN or SAVEPOINT, and its end), the pool's lock and row, its calls out per tenant (their
-# sum, its room), the candidates, their tasks' calls out, the tenants' weights, the chosen rows locked and
+# pool's transaction (BEGIN or SAVEPOINT, and its end), the claims' lock, the pool's row, its calls out per tenant
+# (their sum, its room), the candidates, their tasks' calls out, the tenants' weights, the chosen rows locked and
 # started. (Opening a claimed call's sealed arguments may read its tenant and key: not counted.)
 ONE_POOL_CLAIM_STATEMENTS = 12
 
 
-@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the pool's lock is PostgreSQL's advisory lock")
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the claims' lock is PostgreSQL's advisory lock")
 @pytest.mark.django_db
 def test_a_claim_counts_a_pools_calls_out_once_and_writes_no_row_for_a_pool_without_a_rate_limit(acme, alice):
     call(waiting_for_tools(acme, alice), 0)
@@ -347,6 +347,16 @@ def test_a_pools_setting_naming_no_pool_is_warned_about(settings):
     settings.LONGHAUL_POOLS = {"tool:serch": {"concurrency": 2}, "tool:search": {"concurrency": 2}}
     warnings = pools_named()
     assert [w.id for w in warnings] == ["longhaul.W001"] and "'tool:serch'" in warnings[0].msg
+
+
+def test_more_gateway_turns_than_worker_processes_are_warned_about(settings):
+    from tasks.checks import gateway_turns
+
+    settings.LONGHAUL_STEP_WORKERS, settings.LONGHAUL_GATEWAY_TURNS = 2, 2
+    assert gateway_turns() == []
+    settings.LONGHAUL_GATEWAY_TURNS = 3
+    [warning] = gateway_turns()
+    assert warning.id == "longhaul.W003" and "LONGHAUL_GATEWAY_TURNS is 3, above the 2 worker processes" in warning.msg
 
 
 @pytest.mark.django_db
