@@ -42,12 +42,12 @@ log = logging.getLogger(__name__)
 
 STUCK_MARGIN_SECONDS = 60.0
 _lock = threading.Lock()
-_claiming: threading.Thread | None = None  # this process's gateway thread that holds the turn
+_claiming: threading.Thread | None = None  # this process's gateway thread that holds a turn
 _started: list[threading.Thread] = []  # this process's gateway threads that may still run
 
 
 def start() -> bool:
-    """Run a gateway job on a new thread, unless a thread of this process holds the turn; True when started."""
+    """Run a gateway job on a new thread, unless a thread of this process holds a turn; True when started."""
     with _lock:
         if _claiming is not None:
             return False
@@ -65,7 +65,7 @@ def start() -> bool:
 
 
 def holds_turn() -> bool:
-    """Whether a gateway thread of this process holds the turn."""
+    """Whether a gateway thread of this process holds a turn."""
     return _claiming is not None
 
 
@@ -112,7 +112,7 @@ def _run() -> None:
     try:
         if operations.run_due(took_turn=functools.partial(_took_turn, me),
                               stopped_claiming=functools.partial(_stopped_claiming, me)) is None:
-            log.debug("gateway thread: another job holds the turn")
+            log.debug("gateway thread: other jobs hold every turn")
     except Exception:  # a thread's exception would only reach stderr: log it as a failed job would be
         log.exception("gateway job failed")
     finally:

@@ -258,7 +258,7 @@ def first_due(task_id: int, step: int, now: datetime) -> datetime:
 # --- the gateway side ----------------------------------------------------------
 
 
-# Gateway jobs claim at a time, per database, one per turn (LONGHAUL_GATEWAY_TURNS): the key of the first
+# As many gateway jobs of a database claim at a time as it has turns (LONGHAUL_GATEWAY_TURNS): the key of the first
 # turn's session advisory lock (broker.gateway_turn_keys).
 GATEWAY_TURN_KEY = broker.GATEWAY_TURN_KEY
 CLAIMS_KEY = zlib.crc32(b"longhaul-gateway-claims")  # the transaction advisory lock every claim takes
@@ -461,7 +461,7 @@ def rate_held_until(now: datetime) -> datetime | None:
 def kick_if_claimable() -> bool:
     """On a gateway job's way out: hand the work left over to the next job.
 
-    Jobs refused the turn while this one held it returned without claiming; their
+    Jobs refused every turn while this one held one returned without claiming; their
     operations were committed before they were refused, so this check sees them.
     A pool that is full waits for the jobs running its calls, which look again when
     they end, so this never kicks in a loop; one held back by its rate or a pause gets a
@@ -1101,7 +1101,8 @@ def release(*, owner: str, ids: Iterable[int]) -> int:
 
 async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = lambda: None,
                stopped_claiming: Callable[[], None] = lambda: None) -> int | None:
-    """Claim and run operations until none are due or `run_for` seconds have passed; returns how
+    """Claim and run operations until none are due (with more than one turn: until its slice ends) or
+    `run_for` seconds have passed, and its calls out have answered; returns how
     many ran, or None when other jobs hold every gateway turn. `took_turn` is called once the job
     holds a turn, `stopped_claiming` once it claims no more (it may still wait for its calls out).
 
@@ -1127,11 +1128,12 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
     listener = requested.Listener()
     ran = 0
     cap = calls_at_most(settings.LONGHAUL_GATEWAY_INFLIGHT)
-    # With one turn, a job with nothing out and nothing due ends: the next step that asks for calls kicks one. With
+    # With one turn, a job with nothing out and nothing to claim ends: the next step asking for calls kicks one. With
     # more, it keeps its turn and listens until its slice ends: given back, the turn would be free, and every step
     # asking for calls would kick a job to take it, one job per step, each finding its calls already claimed by a
     # job that heard them.
-    several_turns = keeps_turn_idle = settings.LONGHAUL_GATEWAY_TURNS > 1
+    # SQLite has no turns (every job "takes" one, and no job listens): a job there ends when it has nothing to do.
+    several_turns = keeps_turn_idle = settings.LONGHAUL_GATEWAY_TURNS > 1 and connection.vendor == "postgresql"
     # httpx2's default pool holds 100 connections whatever the cap says. Each client may open them all (the
     # process's cap bounds the calls out), and keeps its share open between calls.
     pool = httpx2.Limits(max_connections=cap, max_keepalive_connections=-(-cap // CLIENT_SHARDS))
