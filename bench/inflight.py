@@ -291,7 +291,7 @@ def withdraw_step_kicks(ids: set[int]) -> int:
     return len(stale)
 
 
-def pipeline_waits(ids: list[int], *, turns: int) -> dict[str, list[float]]:
+def pipeline_waits(ids: list[int], *, cap: int) -> dict[str, list[float]]:
     """From the rows: how long operations waited for a gateway job (those requested once a job was
     claiming), ran, and how long a task then waited for its next step to commit once its last
     operation of a step was done."""
@@ -309,7 +309,7 @@ def pipeline_waits(ids: list[int], *, turns: int) -> dict[str, list[float]]:
     calls = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
         "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage", "pool"))
     first_claim = min((started for *_, started, _, _, _ in calls), default=None)
-    room = had_room(calls, cap=gateway_cap(turns), pool_cap=POOL_CONCURRENCY)
+    room = had_room(calls, cap=cap, pool_cap=POOL_CONCURRENCY)
     for op_id, task_id, step, kind, created, started, done, usage, _ in calls:
         if created >= first_claim:  # a call staged before any worker ran waited for the cluster to start
             claim_wait[kind].append((started - created).total_seconds() * 1000)
@@ -504,7 +504,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             finished = [t.timestamp() for t in Task.objects.filter(pk__in=ids, finished_at__isnull=False)
                         .values_list("finished_at", flat=True)]
             ops = Counter(Operation.objects.filter(task_id__in=ids, args__isnull=False).values_list("kind", flat=True))
-            waits = pipeline_waits(ids, turns=turns)
+            waits = pipeline_waits(ids, cap=gateway_cap(turns))
             most_waiting, most_out = most_at_once(ids)
             since = datetime.fromtimestamp(started, tz=timezone.utc)
             commits = sorted(at.timestamp() for at in Checkpoint.objects.filter(task_id__in=ids, at__gte=since)

@@ -21,10 +21,11 @@ database has LONGHAUL_GATEWAY_TURNS of them, one by default: one event loop keep
 calls in flight, and more split the calls' CPU over processes at the cost of the steps beside
 them. A job that finds every turn taken returns at once; a holder kicks again on its way out if
 work is left, so nothing waits for the sweeper while a holder lives. Jobs holding turns at once
-all hear the steps' commits and claim in shares (SHARE_AT_MOST), one after another at the claims'
-lock, so the limits hold however many claim and a wave of calls spreads over their processes. A worker runs the job's
-event loop on a thread beside its own jobs (tasks/gateway_thread.py), so the calls out hold
-no worker: the steps their results make due have every worker process of the machine.
+all hear the steps' commits and claim in shares (SHARE_AT_MOST), one after another at the
+claims' lock, so the limits hold however many claim and a wave of calls spreads over their
+processes. A worker runs the job's event loop on a thread beside its own jobs
+(tasks/gateway_thread.py), so the calls out hold no worker: the steps their results make due
+have every worker process of the machine.
 """
 
 from __future__ import annotations
@@ -287,8 +288,11 @@ def take_gateway_turn() -> int | None:
                 break
         else:
             return None
-        cursor.execute(f"SELECT {broker.TURN_FREE}", [turns])
-        [a_turn_free] = cursor.fetchone()
+        # The keys before this one were held; those after it may be free. (With one turn: none is.)
+        a_turn_free = False
+        if key != turns[-1]:
+            cursor.execute(f"SELECT {broker.TURN_FREE}", [turns])
+            [a_turn_free] = cursor.fetchone()
     if not a_turn_free:
         kicks.withdraw_gateway_kicks(clock.now())
     return key
@@ -1129,11 +1133,11 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
     ran = 0
     cap = calls_at_most(settings.LONGHAUL_GATEWAY_INFLIGHT)
     # With one turn, a job with nothing out and nothing to claim ends: the next step asking for calls kicks one. With
-    # more, it keeps its turn and listens until its slice ends: given back, the turn would be free, and every step
+    # more, it keeps its turn and listens until its slice ends (given back, the turn would be free, and every step
     # asking for calls would kick a job to take it, one job per step, each finding its calls already claimed by a
-    # job that heard them.
-    # SQLite has no turns (every job "takes" one, and no job listens): a job there ends when it has nothing to do.
-    several_turns = keeps_turn_idle = settings.LONGHAUL_GATEWAY_TURNS > 1 and connection.vendor == "postgresql"
+    # job that heard them), and claims in shares. SQLite has no turns (every job "takes" one, and no job listens):
+    # a job there ends when it has nothing to do.
+    several_turns = settings.LONGHAUL_GATEWAY_TURNS > 1 and connection.vendor == "postgresql"
     # httpx2's default pool holds 100 connections whatever the cap says. Each client may open them all (the
     # process's cap bounds the calls out), and keeps its share open between calls.
     pool = httpx2.Limits(max_connections=cap, max_keepalive_connections=-(-cap // CLIENT_SHARDS))
@@ -1171,7 +1175,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                             op, owner=owner, client=clients[op.pk % CLIENT_SHARDS], recorder=recorder,
                             retries=retries.get(op.task_id, 0)))] = op.pk
                     ran += len(batch)
-                    if len(batch) == share < room:
+                    if several_turns and len(batch) == share and share < room:
                         continue  # more may be due: claim again, after the other jobs waiting at the claims' lock
                 if not in_flight:
                     if claiming and room <= 0:
@@ -1179,7 +1183,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                         # end.
                         await asyncio.sleep(requested.LOOK_EVERY)
                         continue
-                    if not (claiming and keeps_turn_idle):
+                    if not (claiming and several_turns):
                         break
                 # Until a call ends, calls are requested (while there is room to claim them), or it is time to look.
                 # After a claim that found calls due but took none (their pools full or held back), what is heard
