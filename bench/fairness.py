@@ -18,10 +18,13 @@ checkpoint) of the idle baseline's, and slot-time shares within 10% (relative) o
 while both had tasks waiting for a slot.
 
 Pools (--part pools, run after the admission phases by default): the gateway, in this process,
-runs SEARCHES search calls (the offline corpus) for 25 tasks, first alone (the baseline), then
-beside MODEL_CALLS model calls to a loopback OpenAI-compatible fake whose pool is rate-limited
-(MODEL_RPM requests/min) and paused once by a 429 with Retry-After. Target: the searches keep their
-pace, their p95 wait (due to started) within one gateway turn (250 ms) of the baseline's.
+runs SEARCHES search calls for 25 tasks, first alone (the baseline), then beside MODEL_CALLS model
+calls to a loopback OpenAI-compatible fake whose pool is rate-limited (MODEL_RPM requests/min) and
+paused once by a 429 with Retry-After; against a loopback SearxNG-style search API answering after
+SEARCH_DELAY_S, then against the offline corpus. Target (the search API's): the searches keep
+their pace, their p95 wait (due to started) within one gateway turn (250 ms) of the baseline's.
+The corpus's searches are this process's CPU (SQLite full-text search), so their pace is the
+CPU's, which the model calls beside them share: reported, without a target.
 
 Migrates DATABASE_URL first (bench/_harness.py), refuses a database with unfinished tasks of
 others (the system cap would be shared with them), creates its own tenants, user and tasks, and
@@ -35,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import _harness as h
 from django.conf import settings
@@ -299,6 +303,7 @@ MODEL_CALLS = 200
 MODEL_RPM = 60
 MODEL_KEY = "model:openai:fake-model"
 PAUSE_S = 2
+SEARCH_DELAY_S = 0.5  # the loopback search API's answer time
 
 
 def _waiting_tasks(scope: h.Scope, count: int) -> list[Task]:
@@ -324,7 +329,9 @@ def _calls(tasks: list[Task], total: int, *, kind: str, name: str, tag: str) -> 
 
 
 def _gateway_until_done(op_ids: list[int], timeout: float) -> float:
-    """Run gateway jobs in this process until these calls have all finished; seconds taken."""
+    """Run gateway jobs in this process until these calls have all finished; seconds taken. Each job runs
+    as a worker's does, for the default slice or until it has no call out and none it may start (the rate-
+    limited model calls left wait for their allowance, and the job ends between two of them)."""
     from tasks import operations
     from tasks.models import Operation
 
@@ -332,7 +339,7 @@ def _gateway_until_done(op_ids: list[int], timeout: float) -> float:
     while Operation.objects.filter(pk__in=op_ids).exclude(status__in=operations.FINISHED).exists():
         if time.monotonic() - started > timeout:
             raise SystemExit(f"pools: the calls did not finish within {timeout:g} s")
-        operations.run_due(run_for=0.5)
+        operations.run_due()
     return time.monotonic() - started
 
 
@@ -343,43 +350,89 @@ def _waits_ms(op_ids: list[int]) -> list[float]:
     return [(started - created).total_seconds() * 1000 for created, started in rows]
 
 
-def run_pools(report: h.Report, *, timeout: float) -> None:
-    """Searches alone, then beside a rate-limited and paused model pool; every row made is deleted."""
+@dataclass
+class PoolsRun:
+    """One backend's searches, alone and beside the rate-limited model pool."""
+    alone: list[float]  # waits, ms
+    beside: list[float]
+    alone_rate: float  # searches/s
+    beside_rate: float
+    model_done: int
+    models: int
+    pauses: int
+    requests: int
+
+
+def _searches_beside_models(scope: h.Scope, fake: Any, *, timeout: float) -> PoolsRun:
+    """Searches alone, then beside a model pool its provider rate-limits and pauses once."""
     from tasks.models import Operation, Pool
-    from tests.fakes.openai_server import FakeOpenAI, Reply, Status, research_reply
+    from tests.fakes.openai_server import Status
+
+    Pool.objects.filter(key=MODEL_KEY).delete()
+    requests_before = fake.request_count
+    try:
+        # Unmeasured: the process's first gateway job and first searches pay what is paid once (imports, the
+        # TLS context, the corpus's first read), which would fall on the baseline alone.
+        _gateway_until_done(_calls(_waiting_tasks(scope, 2), 8, kind="tool", name="search", tag="warm"), timeout)
+        alone = _calls(_waiting_tasks(scope, 25), SEARCHES, kind="tool", name="search", tag="alone")
+        alone_s = _gateway_until_done(alone, timeout)
+        fake.script(Status(429, headers={"Retry-After": str(PAUSE_S)}))
+        models = _calls(_waiting_tasks(scope, 50), MODEL_CALLS, kind="model", name="plan", tag="m")
+        beside = _calls(_waiting_tasks(scope, 25), SEARCHES, kind="tool", name="search", tag="beside")
+        beside_s = _gateway_until_done(beside, timeout)
+        model_done = Operation.objects.filter(pk__in=models, status__in=("succeeded", "failed")).count()
+        pool = Pool.objects.get(key=MODEL_KEY)
+        return PoolsRun(_waits_ms(alone), _waits_ms(beside), len(alone) / alone_s, len(beside) / beside_s,
+                        model_done, len(models), pool.pauses, fake.request_count - requests_before)
+    finally:
+        Pool.objects.filter(key=MODEL_KEY).delete()
+        Task.objects.filter(tenant=scope.tenant).delete()
+
+
+def run_pools(report: h.Report, *, timeout: float) -> None:
+    """Searches alone, then beside a rate-limited and paused model pool, against a remote search API (the
+    target) and against the offline corpus (for reference); every row made is deleted."""
+    from tests.fakes.http_site import HttpSite
+    from tests.fakes.openai_server import FakeOpenAI, Reply, research_reply
 
     scope = h.Scope.create("fairness-pools")
+    runs: dict[str, PoolsRun] = {}
     try:
-        with FakeOpenAI(default=Reply(content=research_reply, delay=0.2)) as fake, h.override(
+        with FakeOpenAI(default=Reply(content=research_reply, delay=0.2)) as fake, HttpSite() as site, h.override(
                 LONGHAUL_MODEL_PROVIDER="openai", LONGHAUL_MODEL_BASE_URL=fake.base_url, LONGHAUL_MODEL="fake-model",
-                LONGHAUL_SEARCH_URL="", LONGHAUL_POOLS={MODEL_KEY: {"requests_per_minute": MODEL_RPM}}):
-            Pool.objects.filter(key=MODEL_KEY).delete()
-            alone = _calls(_waiting_tasks(scope, 25), SEARCHES, kind="tool", name="search", tag="alone")
-            alone_s = _gateway_until_done(alone, timeout)
-
-            fake.script(Status(429, headers={"Retry-After": str(PAUSE_S)}))
-            models = _calls(_waiting_tasks(scope, 50), MODEL_CALLS, kind="model", name="plan", tag="m")
-            beside = _calls(_waiting_tasks(scope, 25), SEARCHES, kind="tool", name="search", tag="beside")
-            beside_s = _gateway_until_done(beside, timeout)
-            model_done = Operation.objects.filter(pk__in=models, status__in=("succeeded", "failed")).count()
-            pool = Pool.objects.get(key=MODEL_KEY)
-            pauses, requests = pool.pauses, fake.request_count
-            base, loaded = _waits_ms(alone), _waits_ms(beside)
-            Pool.objects.filter(key=MODEL_KEY).delete()
+                LONGHAUL_POOLS={MODEL_KEY: {"requests_per_minute": MODEL_RPM}}):
+            with h.override(LONGHAUL_SEARCH_URL=f"{site.url}/search?delay={SEARCH_DELAY_S:g}"):
+                runs["web"] = _searches_beside_models(scope, fake, timeout=timeout)
+            with h.override(LONGHAUL_SEARCH_URL=""):
+                runs["corpus"] = _searches_beside_models(scope, fake, timeout=timeout)
     finally:
         scope.purge()
+    rows = []
+    for backend, label in (("web", f"a loopback search API answering after {SEARCH_DELAY_S * 1000:,.0f} ms"),
+                           ("corpus", "the offline corpus (in this process)")):
+        r = runs[backend]
+        rows += [[label, "alone (baseline)", *_summary(r.alone), h.fmt(r.alone_rate)],
+                 [label, f"beside {r.models} model calls at {MODEL_RPM}/min", *_summary(r.beside),
+                  h.fmt(r.beside_rate)]]
+    told = "; ".join(f"{backend}: {r.model_done} of {r.models} model calls finished ({r.requests} requests reached "
+                     f"the fake, the pool paused {r.pauses} time(s))" for backend, r in runs.items())
     report.add("Pools: searches beside a rate-limited model pool", h.table(
-        ["searches", "n", "p50 wait (ms)", "p95 wait (ms)", "max (ms)", "calls/s"],
-        [["alone (baseline)", *_summary(base), h.fmt(len(alone) / alone_s)],
-         [f"beside {len(models)} model calls at {MODEL_RPM}/min", *_summary(loaded), h.fmt(len(beside) / beside_s)]])
-        + f"\n\nWhile the searches ran, the model pool finished {model_done} of {len(models)} calls "
-          f"({requests} requests reached the fake, one answered 429 with Retry-After: {PAUSE_S}; the pool was "
-          f"paused {pauses} time(s)). Waits: due to started, from the operations' rows.")
-    bound = h.percentile(base, 95) + 250
+        ["search backend", "searches", "n", "p50 wait (ms)", "p95 wait (ms)", "max (ms)", "calls/s"], rows)
+        + f"\n\nWhile the searches ran beside it, the model pool was rate-limited and its provider answered one "
+          f"429 with Retry-After: {PAUSE_S} ({told}). Waits: due to started, from the operations' rows; "
+          f"{SEARCHES} searches at once against the tool pool's {settings.LONGHAUL_TOOL_CONCURRENCY} slots, so the "
+          f"later ones wait for the earlier to end. The target is the remote API's: a wait there is the gateway's "
+          f"scheduling. An offline corpus search is about 65 ms of this process's CPU (SQLite full-text search, "
+          f"in threads), so its searches' pace is the process's CPU, which the model calls' share of it slows "
+          f"and which moves from run to run by more than the target's 250 ms (alone: 6.8 to 10.3 s p95 in three "
+          f"runs of the same code).")
+    web = runs["web"]
+    bound = h.percentile(web.alone, 95) + 250
     report.targets.append(h.Target(
-        "searches keep their pace beside a rate-limited, paused model pool (p95 wait within 250 ms of alone)",
-        f"{h.fmt(h.percentile(loaded, 95))} ms vs {h.fmt(h.percentile(base, 95))} + 250 ms",
-        h.percentile(loaded, 95) <= bound and model_done < len(models)))
+        "searches keep their pace beside a rate-limited, paused model pool (remote search API; p95 wait within "
+        "250 ms of alone)",
+        f"{h.fmt(h.percentile(web.beside, 95))} ms vs {h.fmt(h.percentile(web.alone, 95))} + 250 ms",
+        h.percentile(web.beside, 95) <= bound and web.model_done < web.models and web.pauses >= 1))
 
 
 def _summary(values: list[float]) -> list[str]:

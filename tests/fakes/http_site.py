@@ -103,7 +103,9 @@ class _Handler(QuietHandler):
         self._answer(code, b"scripted status", "text/plain", headers)
 
     def route_search(self, site: HttpSite, query: dict[str, str]) -> None:
-        """SearxNG's JSON shape; one result that is not http(s) and one duplicate, for the client to drop."""
+        """SearxNG's JSON shape; one result that is not http(s) and one duplicate, for the client to drop.
+        `delay` (seconds) answers that much later, as a remote search API does."""
+        site.wait(float(query.get("delay", 0)))
         if site.flaky_count(int(query.get("fail", 0))):
             self._answer(503, b"busy", "text/plain")
             return
