@@ -400,7 +400,10 @@ def run_pools(report: h.Report, *, timeout: float) -> None:
     try:
         with FakeOpenAI(default=Reply(content=research_reply, delay=0.2)) as fake, HttpSite() as site, h.override(
                 LONGHAUL_MODEL_PROVIDER="openai", LONGHAUL_MODEL_BASE_URL=fake.base_url, LONGHAUL_MODEL="fake-model",
-                LONGHAUL_POOLS={MODEL_KEY: {"requests_per_minute": MODEL_RPM}}):
+                LONGHAUL_POOLS={MODEL_KEY: {"requests_per_minute": MODEL_RPM}},
+                # One turn: a job ends once it has no call out and none it may start (with more, it would keep its
+                # turn for the whole slice, and each _gateway_until_done would last a minute at least).
+                LONGHAUL_GATEWAY_TURNS=1):
             with h.override(LONGHAUL_SEARCH_URL=f"{site.url}/search?delay={SEARCH_DELAY_S:g}"):
                 runs["web"] = _searches_beside_models(scope, fake, timeout=timeout)
             with h.override(LONGHAUL_SEARCH_URL=""):
@@ -418,14 +421,14 @@ def run_pools(report: h.Report, *, timeout: float) -> None:
                      f"the fake, the pool paused {r.pauses} time(s))" for backend, r in runs.items())
     report.add("Pools: searches beside a rate-limited model pool", h.table(
         ["search backend", "searches", "n", "p50 wait (ms)", "p95 wait (ms)", "max (ms)", "calls/s"], rows)
-        + f"\n\nWhile the searches ran beside it, the model pool was rate-limited and its provider answered one "
-          f"429 with Retry-After: {PAUSE_S} ({told}). Waits: due to started, from the operations' rows; "
-          f"{SEARCHES} searches at once against the tool pool's {settings.LONGHAUL_TOOL_CONCURRENCY} slots, so the "
-          f"later ones wait for the earlier to end. The target is the remote API's: a wait there is the gateway's "
-          f"scheduling. An offline corpus search is about 65 ms of this process's CPU (SQLite full-text search, "
-          f"in threads), so its searches' pace is the process's CPU, which the model calls' share of it slows "
-          f"and which moves from run to run by more than the target's 250 ms (alone: 6.8 to 10.3 s p95 in three "
-          f"runs of the same code).")
+        + f"\n\nWhile the searches ran beside it, the model pool ({MODEL_RPM}/min) started its first minute's "
+          f"allowance at once, its provider answered one 429 with Retry-After: {PAUSE_S}, and the rest waited for "
+          f"the pause and then the rate ({told}). Waits: due to started, from the operations' rows; {SEARCHES} "
+          f"searches at once against the tool pool's {settings.LONGHAUL_TOOL_CONCURRENCY} slots, so the later ones "
+          f"wait for the earlier to end. The target is the remote API's: a wait there is the gateway's scheduling. "
+          f"An offline corpus search is this process's CPU (SQLite full-text search, in threads), so its "
+          f"searches' pace is the process's CPU, which the model calls beside them share, and which moves from "
+          f"run to run by more than the target's 250 ms.")
     web = runs["web"]
     bound = h.percentile(web.alone, 95) + 250
     report.targets.append(h.Target(
