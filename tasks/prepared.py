@@ -94,12 +94,11 @@ def fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
         return _fetchone(sql, params)
 
 
-def execute(sql: str, params: Sequence[Any]) -> int:
+def execute(sql: str, params: Sequence[Any]) -> None:
     """`sql` (a statement that returns no rows, so no column type of its result can change under it), prepared
-    (PostgreSQL only); the number of rows it changed."""
+    (PostgreSQL only)."""
     with _cursor() as cursor:
         cursor.execute(sql, params)
-        return cursor.rowcount
 
 
 def _fetchone(sql: str, params: Sequence[Any]) -> tuple | None:

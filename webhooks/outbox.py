@@ -77,6 +77,8 @@ def on_events(task: Task, events: Sequence[TaskEvent]) -> None:
     if not wanted or not _anyone_listening(task):
         return
     endpoints = list(listening(task))
+    if not endpoints:  # removed or disabled since the probe
+        return
     try:
         with transaction.atomic():
             enqueue(task, wanted, endpoints)
