@@ -1030,12 +1030,24 @@ def _compensation_server(op: Operation) -> ServerConfig | None:
 
 async def _compensate(op: Operation, result: Any, server: ServerConfig | None) -> None:
     """A remote job was created but its handle could not be recorded: nothing would ever follow or
-    stop it, so it is cancelled, once, with no database read (the database may be what failed). The
-    caller re-raises the recording's error; a failure here is only logged."""
+    stop it, so it is cancelled, once, with no database read (the database may be what failed), and the
+    cancel goes through even if the job stops meanwhile. The caller re-raises the recording's error; a failure
+    here is only logged."""
     handle = remote_handle_of(result)
     if server is None or handle is None:
         return
     log.error("operation %s: the remote task it created could not be recorded; cancelling it", op.key)
+    cancelling = asyncio.ensure_future(_cancel_unrecorded(op, server, handle))
+    try:
+        await asyncio.shield(cancelling)
+    except asyncio.CancelledError:
+        # The job stops meanwhile (an error in its own loop, the database's perhaps; a drain): the cancel is all
+        # that would ever stop the remote task, so it goes through first, within the server's timeout.
+        await asyncio.wait([cancelling])
+        raise
+
+
+async def _cancel_unrecorded(op: Operation, server: ServerConfig, handle: str) -> None:
     try:
         from tasks.mcp import client
 

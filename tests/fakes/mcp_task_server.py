@@ -155,6 +155,11 @@ class StateDir:
             self._write(path, record)
             return record
 
+    def get(self, task_id: str) -> dict[str, Any] | None:
+        """The stored record; None when there is no such task."""
+        with self.locked():
+            return self._read(self._task_path(task_id))
+
     def update(self, task_id: str, change: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any] | None:
         """Apply `change` to the stored record under the lock; None when there is no such task."""
         with self.locked():
@@ -507,6 +512,12 @@ class FakeTasksExtension(Extension):
     async def cancel(self, ctx: ServerRequestContext[Any, Any], params: TaskIdParams) -> HandlerResult:
         self.state.count("tasks/cancel")
         require_client_extension(ctx, TASKS_EXTENSION)
+        # `cancel_delay_ms` (a tool argument): the server takes its time over the cancel, as a busy one would,
+        # so a test can act while the request is out.
+        stored = self.state.get(params.task_id)
+        delay = float((stored or {}).get("args", {}).get("cancel_delay_ms", 0)) / 1000
+        if delay > 0:
+            await anyio.sleep(delay)
         now = time.time()
         failing = False
 
@@ -544,7 +555,7 @@ def build_server(state_dir: Path) -> MCPServer:
     # The task tools are listed for discovery; their calls never get past the interceptor.
     @server.tool()
     def slow_report(topic: str, seconds: float = 2, size: int = 0, poll_ms: int = 200,
-                    ttl_ms: int | None = None, hang_get_s: float = 0) -> str:
+                    ttl_ms: int | None = None, hang_get_s: float = 0, cancel_delay_ms: float = 0) -> str:
         """Write a report on a topic, slowly (a task)."""
         raise RuntimeError("runs as a task")
 

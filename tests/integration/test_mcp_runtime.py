@@ -11,6 +11,8 @@ real (the offline search tool, or the test MCP server in a subprocess).
 
 from __future__ import annotations
 
+import contextvars
+import json
 import logging
 import threading
 import time
@@ -418,21 +420,42 @@ def test_a_failed_compensation_is_logged_beside_the_original_error(remote, acme,
     assert "could not extend file (test)" in caplog.text
 
 
-@pytest.fixture
-def database_gone_while_compensating(monkeypatch) -> Iterator[None]:
-    """While a gateway job compensates for an unrecorded tools/call, the database answers nothing at all."""
+def _database_gone_while_compensating(monkeypatch, *, for_everyone: bool) -> None:
+    """While a gateway job compensates for an unrecorded tools/call, the database answers nothing: to the
+    compensation only (its context: its own code, and what it runs through sync_to_async), or to everything in
+    the process (the job's own loop too)."""
     compensate = operations._compensate
+    cursor = type(connections["default"])._cursor
+    gone = contextvars.ContextVar("database_gone", default=False)
+    gone_everywhere = threading.Event()
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise OperationalError("the database is gone (test)")
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if gone.get() or gone_everywhere.is_set():
+            raise OperationalError("the database is gone (test)")
+        return cursor(self, *args, **kwargs)
 
     async def without_database(*args: Any, **kwargs: Any) -> None:
-        with monkeypatch.context() as gone:
-            gone.setattr(type(connections["default"]), "_cursor", refuse)
+        token = gone.set(True)
+        if for_everyone:
+            gone_everywhere.set()
+        try:
             await compensate(*args, **kwargs)
+        finally:
+            gone_everywhere.clear()
+            gone.reset(token)
 
+    monkeypatch.setattr(type(connections["default"]), "_cursor", refuse)
     monkeypatch.setattr(operations, "_compensate", without_database)
-    yield
+
+
+@pytest.fixture
+def database_gone_while_compensating(monkeypatch) -> None:
+    _database_gone_while_compensating(monkeypatch, for_everyone=False)
+
+
+@pytest.fixture
+def database_gone_everywhere_while_compensating(monkeypatch) -> None:
+    _database_gone_while_compensating(monkeypatch, for_everyone=True)
 
 
 def test_a_remote_task_is_cancelled_once_even_when_the_database_answers_nothing_any_more(
@@ -444,6 +467,24 @@ def test_a_remote_task_is_cancelled_once_even_when_the_database_answers_nothing_
     assert calls(remote).get("tasks/cancel") == 1
     assert "could not extend file (test)" in caplog.text
     assert "failed too" not in caplog.text
+
+
+def test_a_job_stopped_by_the_database_while_it_cancels_an_unrecorded_remote_task_sees_the_cancel_through(
+        remote, acme, alice, unrecordable_tool_calls, database_gone_everywhere_while_compensating, caplog):
+    # The server takes 1.5 s over the cancel; the job's slice (0.1 s) ends meanwhile, and ending its turn needs the
+    # database, which is gone: the job stops with that error, but only once the cancel is through (nothing else
+    # would ever stop the remote task, and the call would run again once its lease ran out).
+    task = submit(acme, alice, [{"do": "continue", "requests": [
+        _tool_call("slow_report", topic="t", seconds=30, cancel_delay_ms=1500)]}])
+    with caplog.at_level(logging.ERROR, logger="tasks.operations"), \
+            pytest.raises(OperationalError, match="the database is gone"):
+        _run_the_call(task)
+    assert [r.get("cancel_requested_at") is not None for r in _remote_tasks(remote)] == [True]
+    assert "failed too" not in caplog.text
+
+
+def _remote_tasks(state: Path) -> list[dict[str, Any]]:
+    return [json.loads(path.read_text()) for path in (state / "tasks").glob("*.json")]
 
 
 def test_a_recorded_tool_call_is_not_cancelled(remote, acme, alice):
