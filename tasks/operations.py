@@ -983,8 +983,20 @@ async def _run_one(op: Operation, *, owner: str, client: Any, recorder: Recorder
     if error is None and op.kind == "model":
         tokens = sum(v for k, v in usage.items() if k in ("prompt_tokens", "completion_tokens") and isinstance(v, int))
     outcome = Outcome(op.pk, result, error, usage, budget.used, version_of(op, usage), answered_at=clock.now())
+    recording = asyncio.ensure_future(recorder.record(outcome, pool=op.pool, tokens=tokens))
+    compensable = error is None and cancel_on is not None
     try:
-        await recorder.record(outcome, pool=op.pool, tokens=tokens)
+        await (asyncio.shield(recording) if compensable else recording)
+    except asyncio.CancelledError:
+        if compensable:
+            # The job stops while a remote task's handle is being recorded (a drain, an error in its loop): the
+            # record is written all the same, and should it fail, nothing but this would cancel the remote task.
+            await asyncio.wait([recording])
+            failed = None if recording.cancelled() else recording.exception()
+            if failed is not None:
+                log.error("operation %s: its outcome could not be recorded", op.key, exc_info=failed)
+                await _compensate(op, result, cancel_on)
+        raise
     except Exception:
         if error is None:
             await _compensate(op, result, cancel_on)

@@ -366,13 +366,24 @@ def remote(tmp_path, settings) -> Iterator[Path]:
 @pytest.fixture
 def unrecordable_tool_calls() -> Iterator[None]:
     """The database refuses to record a tools/call's success (as a full disk or a lost primary would)."""
+    yield from _refusing_tool_call_results(after_s=0)
+
+
+@pytest.fixture
+def slowly_unrecordable_tool_calls() -> Iterator[None]:
+    """The same refusal, after 3 s of the recording's statement (pg_sleep, waiting as PgSleep)."""
+    yield from _refusing_tool_call_results(after_s=3)
+
+
+def _refusing_tool_call_results(*, after_s: float) -> Iterator[None]:
     if connection.vendor != "postgresql":
         pytest.skip("the refusal is a PostgreSQL trigger")
     with connection.cursor() as cursor:
-        cursor.execute("""
+        cursor.execute(f"""
             CREATE FUNCTION refuse_tool_call_result() RETURNS trigger AS $$
             BEGIN
                 IF NEW.name = 'tools/call' AND NEW.status = 'succeeded' THEN
+                    PERFORM pg_sleep({float(after_s)});
                     RAISE EXCEPTION 'could not extend file (test)';
                 END IF;
                 RETURN NEW;
@@ -481,6 +492,41 @@ def test_a_job_stopped_by_the_database_while_it_cancels_an_unrecorded_remote_tas
         _run_the_call(task)
     assert [r.get("cancel_requested_at") is not None for r in _remote_tasks(remote)] == [True]
     assert "failed too" not in caplog.text
+
+
+def test_a_job_drained_while_it_records_a_remote_task_still_cancels_it_when_the_record_fails(
+        remote, acme, alice, slowly_unrecordable_tool_calls, draining, monkeypatch, caplog):
+    # The call's record takes 3 s, then fails; the worker drains meanwhile and stops its calls. The record is seen
+    # through all the same, and when it fails the remote task is cancelled.
+    task = submit(acme, alice, [{"do": "continue", "requests": [_tool_call("slow_report", topic="t", seconds=30)]}])
+    follow(task, until=lambda t: Operation.objects.filter(task=t, name="tools/call").exists(), settle=False)
+    stopping = threading.Event()
+    stop = operations._stop
+
+    async def noting_the_stop(calls: Any) -> None:
+        stopping.set()
+        await stop(calls)
+
+    monkeypatch.setattr(operations, "_stop", noting_the_stop)
+    job = threading.Thread(target=operations.run_due, kwargs={"run_for": 60})
+    with caplog.at_level(logging.ERROR, logger="tasks.operations"):
+        job.start()
+        try:
+            _wait_for(_a_record_is_being_written)
+            drain.start()
+            assert stopping.wait(20), "the draining job stopped its calls"
+            assert _a_record_is_being_written(), "the job stopped while the record was being written"
+        finally:
+            job.join(30)
+    assert not job.is_alive()
+    assert [r.get("cancel_requested_at") is not None for r in _remote_tasks(remote)] == [True]
+    assert "could not extend file (test)" in caplog.text, "the record's error is reported"
+
+
+def _a_record_is_being_written() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep')")
+        return cursor.fetchone()[0]
 
 
 def _remote_tasks(state: Path) -> list[dict[str, Any]]:
