@@ -634,7 +634,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
     saturated, seconds = sampler.busy_seconds(at_least=SATURATED)
     # The whole task cluster's: a worker that runs a gateway job on a thread runs steps beside it.
     calls_made = sum(len(waits[f"{kind} call: {IN_JOB}"]) for kind in ("model", "tool"))
-    per_step_ms = (spent[ROLES[0]] + spent[ROLES[1]]) / steps * 1000 if steps else 0.0
+    per_step_ms = shown.cpu_per_step_ms
     report.add("Where the CPU went from the first model call out to the end", h.table(
         ["part", "CPU seconds", "share of the cores' time"], cpu_rows)
         + f"\n\nThe task cluster's processes, the gateway's included, used {per_step_ms:.1f} ms of CPU per step "

@@ -987,19 +987,16 @@ async def _run_one(op: Operation, *, owner: str, client: Any, recorder: Recorder
     compensable = error is None and cancel_on is not None
     try:
         await (asyncio.shield(recording) if compensable else recording)
-    except asyncio.CancelledError:
+    except BaseException as raised:
         if compensable:
-            # The job stops while a remote task's handle is being recorded (a drain, an error in its loop): the
-            # record is written all the same, and should it fail, nothing but this would cancel the remote task.
+            # The record failed, or the job stops while it is being written (a drain, an error in its loop) and
+            # it is written all the same: should it fail, nothing but this would cancel the remote task.
             await asyncio.wait([recording])
             failed = None if recording.cancelled() else recording.exception()
             if failed is not None:
-                log.error("operation %s: its outcome could not be recorded", op.key, exc_info=failed)
+                if failed is not raised:  # the job's stop is raised, not the record's error: said here
+                    log.error("operation %s: its outcome could not be recorded", op.key, exc_info=failed)
                 await _compensate(op, result, cancel_on)
-        raise
-    except Exception:
-        if error is None:
-            await _compensate(op, result, cancel_on)
         raise
 
 

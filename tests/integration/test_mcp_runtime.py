@@ -484,7 +484,7 @@ def test_a_job_stopped_by_the_database_while_it_cancels_an_unrecorded_remote_tas
         remote, acme, alice, unrecordable_tool_calls, database_gone_everywhere_while_compensating, caplog):
     # The server takes 1.5 s over the cancel; the job's slice (0.1 s) ends meanwhile, and ending its turn needs the
     # database, which is gone: the job stops with that error, but only once the cancel is through (nothing else
-    # would ever stop the remote task, and the call would run again once its lease ran out).
+    # would ever stop the remote task: the call, which must not run twice, is failed once its lease runs out).
     task = submit(acme, alice, [{"do": "continue", "requests": [
         _tool_call("slow_report", topic="t", seconds=30, cancel_delay_ms=1500)]}])
     with caplog.at_level(logging.ERROR, logger="tasks.operations"), \
@@ -525,7 +525,8 @@ def test_a_job_drained_while_it_records_a_remote_task_still_cancels_it_when_the_
 
 def _a_record_is_being_written() -> bool:
     with connection.cursor() as cursor:
-        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep')")
+        cursor.execute("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event = 'PgSleep' "
+                       "AND datname = current_database())")
         return cursor.fetchone()[0]
 
 
