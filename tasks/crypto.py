@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -90,6 +91,8 @@ def _aad(label: str, tenant_id: int) -> bytes:
 # (tenant, version) -> (key, or None once destroyed; when read). tenant -> (current version, when read).
 _keys: dict[tuple[int, int], tuple[bytes | None, float]] = {}
 _current: dict[int, tuple[int, float]] = {}
+# Per thread (a connection's): the tenants whose key rows its open transaction has written (made or destroyed).
+_writing = threading.local()
 
 
 def forget_cached_keys() -> None:
@@ -131,14 +134,36 @@ def data_key(tenant_id: int, version: int) -> bytes | None:
 
 
 def _remember(tenant_id: int, version: int, key: bytes | None, *, current: bool = False) -> None:
-    """Cache a key once what read it has committed: a key row made in a transaction that rolls back must not
-    outlive it here, or content sealed with it later would point at a version that does not exist."""
+    """Cache a key as read. A key row this thread's open transaction wrote (made or destroyed) is cached once it
+    commits: one made in a transaction that rolls back must not outlive it here, or content sealed with it later
+    would point at a version that does not exist (nor a destroyed key hide a live one). Any other row it read was
+    committed before, and is cached at once: a transaction that seals or opens many values (a batch of
+    outcomes) reads the key once, not once a value."""
     def store() -> None:
         _keys[(tenant_id, version)] = (key, time.monotonic())
         if current:
             _current[tenant_id] = (version, time.monotonic())
+        _written().discard(tenant_id)  # what this thread reads of them now is committed (a rollback left it here)
 
-    transaction.on_commit(store)  # at once outside a transaction
+    if tenant_id in _written():
+        transaction.on_commit(store)
+    else:
+        store()
+
+
+def _written() -> set[int]:
+    if not hasattr(_writing, "tenants"):
+        _writing.tenants = set()
+    return _writing.tenants
+
+
+def _writes_keys_of(tenant_id: int) -> None:
+    """Before this thread writes the tenant's key rows: until its transaction commits, what it reads of them
+    is not cached (the commit, or the next cached read after a rollback, clears the mark)."""
+    if transaction.get_connection().in_atomic_block:
+        written = _written()
+        written.add(tenant_id)
+        transaction.on_commit(lambda: written.discard(tenant_id))
 
 
 def new_key(tenant_id: int) -> int:
@@ -154,6 +179,7 @@ def _new_key(tenant_id: int) -> TenantKey:
     master_id, wrapped = _wrap(key, tenant_id, newest + 1)
     try:
         with transaction.atomic():
+            _writes_keys_of(tenant_id)
             return TenantKey.objects.create(tenant_id=tenant_id, version=newest + 1, master_key_id=master_id,
                                             wrapped=wrapped, created_at=clock.now())
     except IntegrityError:  # another process made this version first: use the one it made
@@ -162,6 +188,7 @@ def _new_key(tenant_id: int) -> TenantKey:
 
 def destroy_keys(tenant_id: int) -> int:
     """Crypto-shredding: every version of the tenant's key is gone; returns how many were destroyed."""
+    _writes_keys_of(tenant_id)
     destroyed = TenantKey.objects.filter(tenant_id=tenant_id, destroyed_at__isnull=True).update(
         wrapped=b"", destroyed_at=clock.now())
     for version in [v for (t, v) in _keys if t == tenant_id]:

@@ -15,6 +15,7 @@ from django.core.exceptions import FieldError
 from django.core.management import call_command
 from django.core.management.base import CommandError
 from django.db import connection, transaction
+from django.test.utils import CaptureQueriesContext
 from django.urls import reverse
 
 from chat.models import Message, Thread
@@ -281,3 +282,44 @@ def test_a_key_made_in_a_transaction_that_rolled_back_is_never_used(acme, alice)
     kept = make_task(acme, alice, input={"question": "kept"})
     crypto.forget_cached_keys()  # another process, or this one once its cache expired
     assert Task.objects.get(pk=kept.pk).input == {"question": "kept"}
+
+
+def key_reads(queries) -> int:
+    return sum('"tasks_tenantkey"' in q["sql"] for q in queries.captured_queries)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_tenants_key_is_read_once_inside_a_transaction_too(acme, alice):
+    """A key row committed before the transaction that reads it is cached at once: a recorder's batch seals
+    many outcomes, and a claim opens many calls, in one transaction each (they read it once per value before)."""
+    make_task(acme, alice, input={"question": "makes the key"})
+    crypto.forget_cached_keys()
+    with CaptureQueriesContext(connection) as queries, transaction.atomic():
+        tokens = [crypto.seal(acme.pk, f"value {n}".encode(), label="result") for n in range(3)]
+        opened = [crypto.open_token(token, label="result")[1] for token in tokens]
+    assert opened == [b"value 0", b"value 1", b"value 2"]
+    assert key_reads(queries) == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_keys_destroyed_in_a_transaction_that_rolled_back_still_open_what_they_sealed(acme, alice):
+    """What a transaction that destroys a tenant's keys reads of them is not cached before it commits."""
+    kept = make_task(acme, alice, input={"question": "kept"})
+    crypto.forget_cached_keys()
+    with pytest.raises(RuntimeError), transaction.atomic():
+        crypto.destroy_keys(acme.pk)
+        assert crypto.data_key(acme.pk, 1) is None
+        raise RuntimeError("the erasure failed after destroying the keys")
+    assert crypto.data_key(acme.pk, 1) is not None
+    assert Task.objects.get(pk=kept.pk).input == {"question": "kept"}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_key_made_in_an_open_transaction_is_cached_once_it_commits(acme, alice):
+    with transaction.atomic():
+        make_task(acme, alice, input={"question": "makes the key"})
+        assert crypto._current == {}, "cached before its row committed"
+    assert set(crypto._current) == {acme.pk}
+    with CaptureQueriesContext(connection) as queries:
+        make_task(acme, alice, input={"question": "sealed with the cached key"})
+    assert key_reads(queries) == 0
