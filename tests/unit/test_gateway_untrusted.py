@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import re
+import sys
+import unicodedata
 
 import pytest
 
-from tasks.gateway.untrusted import CLOSE, frame, neutralize_name
+from tasks.gateway.untrusted import CLOSE, _strip_invisible, frame, neutralize_name
 
 pytestmark = pytest.mark.smoke
 
@@ -89,3 +91,19 @@ def test_neutralize_name_gives_one_short_line_without_tags():
 
 def test_neutralize_name_leaves_a_plain_name_alone():
     assert neutralize_name("Quarterly research: asyncio") == "Quarterly research: asyncio"
+
+
+def test_every_invisible_character_and_no_other_is_dropped():
+    """Over every code point: dropped exactly when its category is control, format, surrogate or private use, but
+    for the tab and the line feed, which are kept (or made spaces on one line)."""
+    def reference(char: str, *, keep_newlines: bool) -> str:
+        if char in "\n\t":
+            return char if keep_newlines else " "
+        return "" if unicodedata.category(char) in ("Cc", "Cf", "Cs", "Co") else char
+
+    for start in range(0, sys.maxunicode + 1, 0x10000):
+        chars = [chr(code) for code in range(start, min(start + 0x10000, sys.maxunicode + 1))]
+        text = "".join(chars)
+        for keep_newlines in (True, False):
+            expected = "".join(reference(char, keep_newlines=keep_newlines) for char in chars)
+            assert _strip_invisible(text, keep_newlines=keep_newlines) == expected, f"plane from {start:#x}"
