@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import threading
 import time
@@ -39,11 +38,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from statistics import median
-from urllib.parse import quote
 
 import _harness as h
 import httpx2
 from _processes import Proc, machine_busy, processes
+from _web_site import WebSite
 from django.conf import settings
 from django.db import transaction
 
@@ -51,7 +50,6 @@ from tasks import actions, jobs, kicks, operations
 from tasks.descriptors import calls_at_most
 from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import TERMINAL, TaskStatus
-from tests.fakes import http_site
 from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler, research_reply
 
 TARGET_PER_PROCESS = 100
@@ -122,21 +120,6 @@ class TrackingFake(FakeOpenAI):
             self.requests.clear()
             self.headers.clear()
             self.max_in_flight = 0
-
-
-class _SearchHandler(http_site._Handler):
-    def route_search(self, site: http_site.HttpSite, query: dict[str, str]) -> None:
-        """SearxNG's JSON shape, every result a page of this site."""
-        words = query.get("q", "")
-        results = [{"url": f"{site.url}/page?n={n}&q={quote(words)}", "title": f"Result {n} for {words}",
-                    "content": f"Snippet {n} about {words}"} for n in range(8)]
-        self._answer(200, json.dumps({"query": words, "results": results}).encode(), "application/json")
-
-
-class SearchSite(http_site.HttpSite):
-    """A web search API and the pages it finds, on loopback: what a research task reaches in production."""
-
-    handler_class = _SearchHandler
 
 
 # --- in flight per process ------------------------------------------------------------------
@@ -266,6 +249,25 @@ async def bare_client(base_url: str, count: int, limits: httpx2.Limits | None) -
     bad = [r.status_code for r in responses if r.status_code != 200]
     assert not bad, f"baseline requests failed: {bad[:5]}"
     return time.monotonic() - started, answers
+
+
+async def bare_visits(site_url: str, count: int) -> list[float]:
+    """`count` page visits at once from one bare AsyncClient (the gateway's client library): each one's answer
+    time in ms. The site closes each page's connection, as a page's own host would."""
+    answers: list[float] = []
+
+    async def one(client: httpx2.AsyncClient, n: int) -> httpx2.Response:
+        sent = time.monotonic()
+        response = await client.get(f"{site_url}/page?n={n}&q=baseline")
+        answers.append((time.monotonic() - sent) * 1000)
+        return response
+
+    limits = httpx2.Limits(max_connections=count, max_keepalive_connections=count)
+    async with httpx2.AsyncClient(timeout=120, limits=limits) as client:
+        responses = await asyncio.gather(*(one(client, n) for n in range(count)))
+    bad = [r.status_code for r in responses if r.status_code != 200]
+    assert not bad, f"baseline visits failed: {bad[:5]}"
+    return answers
 
 
 # --- the benchmark -------------------------------------------------------------------------
@@ -544,7 +546,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         f"{rounds} round(s), each with tasks of its own and a cluster started for it: the targets are judged on the "
         f"median of the rounds' figures, and the tables are those of the round whose next-step wait was the median.",
     )
-    with TrackingFake(delay) as fake, (SearchSite() if search == "web" else contextlib.nullcontext()) as site:
+    with TrackingFake(delay) as fake, (WebSite() if search == "web" else contextlib.nullcontext()) as site:
         baseline, fake_answers = [], []
         for label, limits in ((f"bare httpx2.AsyncClient, pool of {tasks}",
                                httpx2.Limits(max_connections=tasks, max_keepalive_connections=tasks)),
@@ -553,6 +555,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             seconds, answers = asyncio.run(bare_client(fake.base_url, tasks, limits))
             fake_answers = fake_answers or answers  # the first: every request out at once
             baseline.append([label, fake.max_in_flight, "-", f"{tasks / seconds:.0f} calls/s"])
+        visit_answers = asyncio.run(bare_visits(site.url, POOL_CONCURRENCY)) if site is not None else []
         env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
                "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": str(POOL_CONCURRENCY),
                "LONGHAUL_TOOL_CONCURRENCY": str(POOL_CONCURRENCY),
@@ -617,6 +620,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         [f"the fake's answer to {tasks} requests at once (bare client, pool of {tasks}), p50 / p90",
          f"{h.fmt(h.percentile(fake_answers, 50), 0)} / {h.fmt(h.percentile(fake_answers, 90), 0)} ms "
          f"(it sleeps {delay * 1000:,.0f} ms)"],
+        *([[(f"the site's answer to {POOL_CONCURRENCY} page visits at once (a bare httpx2.AsyncClient in this "
+             "benchmark's process, beside the site), p50 / p90"),
+            (f"{h.fmt(h.percentile(visit_answers, 50), 0)} / {h.fmt(h.percentile(visit_answers, 90), 0)} ms "
+             "(it answers at once)")]] if visit_answers else []),
         ["samples with 2+ processes calling at once", sum(1 for s in busy if len(s[2]) >= 2)],
     ]))
     # The cores' CPU seconds while the cluster ran, in all and busy.
@@ -688,11 +695,14 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                f"a wave asks for more at once ({most_waiting} waited to be claimed at the busiest moment), so they "
                "wait for calls to end, as the caps say they must. The slots a job frees are shared among the pools "
                "with calls due (operations.claim_batch). "
-               "Bigger pools move that wait into the loopback servers, which stand for other machines: with the "
-               "pools at 1,000 (measured once, with the job's cap at 1,000 and lxml reading the pages), tool calls "
-               "were claimed in 24 ms at the median, but a visit then took 430 ms against the loopback site (a "
-               "thread per request, in this benchmark's process, on the same two cores) where it takes about 200 "
-               "ms with the pools at 400, and the run took 10.9 s, as long. " if held else "")
+               f"A tool call holds its slot for its remote answer, {h.fmt(h.percentile(waits[f'tool call: {ANSWER}'], 50), 0)} "
+               "ms at the median against a site that answers at once: that is the HTTP client's own work on the "
+               "job's event loop, beside every other call's"
+               + (f" (a bare httpx2 client in this benchmark's process takes {h.fmt(h.percentile(visit_answers, 50), 0)} ms "
+                  f"at the median for {POOL_CONCURRENCY} visits at once: the Tasks table)" if visit_answers else "")
+               + ". Bigger pools put more calls on that loop (measured once, on 2026-12-07, with the pools at 1,000 "
+               "and a job's cap at 2,000: tool calls claimed in 87 to 107 ms at the median, but the next step "
+               "committed 243 to 272 ms after the last answer). " if held else "")
             + (" The offline corpus's searches run on the gateway's CPU too." if search == "corpus" else ""))
     if turns > 1:
         report.notes.append(
