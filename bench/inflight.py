@@ -709,6 +709,16 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             "With more than one turn a call's claim wait can read below zero: its started_at is the claim's time, "
             "taken before the claim waits at the claims' lock behind another job's, and a call committed meanwhile "
             "is among those it claims.")
+        quickest = min(done, key=lambda r: r.claim_waits["tool"])
+        slowest = max(done, key=lambda r: r.claim_waits["tool"])
+        if quickest.next_step > slowest.next_step:
+            report.notes.append(
+                f"With {turns} turns every worker process may run a gateway job beside its steps, and the rounds "
+                "traded one wait for the other: the round whose tool calls were claimed soonest "
+                f"({h.fmt(quickest.claim_waits['tool'], 0)} ms at the median) waited longest for its next steps "
+                f"({h.fmt(quickest.next_step, 0)} ms), the round whose tool calls waited longest "
+                f"({h.fmt(slowest.claim_waits['tool'], 0)} ms) the least ({h.fmt(slowest.next_step, 0)} ms): calls "
+                "claimed at once are calls whose HTTP work shares the interpreter with the steps, in both processes.")
     around = {kind: {what: h.percentile(waits[f"{kind} call: {what}"], 50) for what in (AROUND, BEFORE_START,
                                                                                          BEFORE_RECORD)}
               for kind in ("model", "tool")}
