@@ -48,6 +48,7 @@ from django.db import transaction
 
 from tasks import actions, jobs, kicks, operations
 from tasks.descriptors import calls_at_most
+from tasks.gateway.transport import gateway_client
 from tasks.models import Checkpoint, Operation, Task
 from tasks.statuses import TERMINAL, TaskStatus
 from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler, research_reply
@@ -252,18 +253,17 @@ async def bare_client(base_url: str, count: int, limits: httpx2.Limits | None) -
 
 
 async def bare_visits(site_url: str, count: int) -> list[float]:
-    """`count` page visits at once from one bare AsyncClient (the gateway's client library): each one's answer
-    time in ms. The site closes each page's connection, as a page's own host would."""
+    """`count` page visits at once from the gateway's client (tasks/gateway/transport.py), alone: each one's
+    answer time in ms. The site closes each page's connection, as a page's own host would."""
     answers: list[float] = []
 
     async def one(client: httpx2.AsyncClient, n: int) -> httpx2.Response:
         sent = time.monotonic()
-        response = await client.get(f"{site_url}/page?n={n}&q=baseline")
+        response = await client.get(f"{site_url}/page?n={n}&q=baseline", timeout=120)
         answers.append((time.monotonic() - sent) * 1000)
         return response
 
-    limits = httpx2.Limits(max_connections=count, max_keepalive_connections=count)
-    async with httpx2.AsyncClient(timeout=120, limits=limits) as client:
+    async with gateway_client(count) as client:
         responses = await asyncio.gather(*(one(client, n) for n in range(count)))
     bad = [r.status_code for r in responses if r.status_code != 200]
     assert not bad, f"baseline visits failed: {bad[:5]}"
@@ -620,8 +620,8 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         [f"the fake's answer to {tasks} requests at once (bare client, pool of {tasks}), p50 / p90",
          f"{h.fmt(h.percentile(fake_answers, 50), 0)} / {h.fmt(h.percentile(fake_answers, 90), 0)} ms "
          f"(it sleeps {delay * 1000:,.0f} ms)"],
-        *([[(f"the site's answer to {POOL_CONCURRENCY} page visits at once (a bare httpx2.AsyncClient in this "
-             "benchmark's process, beside the site), p50 / p90"),
+        *([[(f"the site's answer to {POOL_CONCURRENCY} page visits at once (the gateway's client alone, in "
+             "this benchmark's process beside the site), p50 / p90"),
             (f"{h.fmt(h.percentile(visit_answers, 50), 0)} / {h.fmt(h.percentile(visit_answers, 90), 0)} ms "
              "(it answers at once)")]] if visit_answers else []),
         ["samples with 2+ processes calling at once", sum(1 for s in busy if len(s[2]) >= 2)],
@@ -698,7 +698,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
                f"A tool call holds its slot for its remote answer, {h.fmt(h.percentile(waits[f'tool call: {ANSWER}'], 50), 0)} "
                "ms at the median against a site that answers at once: that is the HTTP client's own work on the "
                "job's event loop, beside every other call's"
-               + (f" (a bare httpx2 client in this benchmark's process takes {h.fmt(h.percentile(visit_answers, 50), 0)} ms "
+               + (f" (the gateway's client alone, in this benchmark's process, takes {h.fmt(h.percentile(visit_answers, 50), 0)} ms "
                   f"at the median for {POOL_CONCURRENCY} visits at once: the Tasks table)" if visit_answers else "")
                + ". Bigger pools put more calls on that loop (measured once, on 2026-12-07, with the pools at 1,000 "
                "and a job's cap at 2,000: tool calls claimed in 87 to 107 ms at the median, but the next step "

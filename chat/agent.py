@@ -27,6 +27,7 @@ from tasks.statuses import TERMINAL, TaskStatus
 
 HISTORY = 20
 MAX_TOOL_ROUNDS = 4
+CHAT_CONNECTIONS = 4  # a chat run makes its model calls one after another
 RESEARCH = re.compile(r"^\s*(?:please\s+|can you\s+|could you\s+)?(?:research|look into|investigate|dig into|"
                       r"find out(?: about)?)\s+(?P<topic>.+)$", re.IGNORECASE | re.DOTALL)
 LIST = re.compile(r"\b(what(?:'s| is| are)? (?:running|going on|you working on)|status|list (?:my |the )?tasks|"
@@ -255,16 +256,16 @@ def _call_tool(run: Run, name: str, args: dict[str, Any], n: int) -> tools.ToolR
 
 
 async def _respond_with_model(run: Run) -> Reply:
-    import httpx2
     from asgiref.sync import sync_to_async
 
     from tasks.gateway.providers import ModelCall, get_provider
     from tasks.gateway.retry import RetryBudget
+    from tasks.gateway.transport import gateway_client
 
     messages = await sync_to_async(_history)(run)
     data: dict[str, Any] = {}
     n = 0
-    async with httpx2.AsyncClient() as client:
+    async with gateway_client(CHAT_CONNECTIONS) as client:
         for _round in range(MAX_TOOL_ROUNDS):  # not `_`: that is gettext here
             answer = await get_provider().run(ModelCall("chat", {"messages": messages, "tools": TOOL_SCHEMAS}),
                                               client=client, budget=RetryBudget(2))

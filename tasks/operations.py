@@ -34,7 +34,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import ssl
 import time
 import traceback
 import zlib
@@ -78,11 +77,6 @@ WATCH_AGAIN_AFTER = timedelta(seconds=60)  # a question that still stands is loo
 WATCHDOG_MARGIN = timedelta(milliseconds=500)
 CANDIDATES_AT_MOST = 5_000  # due calls one claim of one pool reads
 WATCHDOG_STEP = timedelta(seconds=2)
-# Calls out share CLIENT_SHARDS httpx2 clients: a client's pool looks at every connection it holds each time
-# it places a request. Under httpx, which looked again for every request queued, one pool of hundreds of calls
-# cost more CPU than the calls themselves. Under httpx2, eight clients still spent less than one: 15.8 against
-# 17.6 s of CPU in a run of bench/inflight.py, one run each.
-CLIENT_SHARDS = 8
 BATCH_AT_MOST = 50  # outcomes recorded in one transaction
 WRITERS = 2  # a gateway job's batches of outcomes written at once (Recorder)
 # With more than one turn, the calls one claim of a job takes at most: the jobs that heard the same commit wait at
@@ -1135,7 +1129,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
     waits for its last calls (tasks/gateway_thread.py), each job's turn is a session of its own, so the
     next cannot take the same turn while this one holds it, and closing one job's connections drops no
     other's turn."""
-    import httpx2
+    from tasks.gateway.transport import gateway_client
 
     claims = DatabaseThread("gateway-claims")
     turn = None
@@ -1159,16 +1153,11 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
     # job that heard them), and claims in shares. SQLite has no turns (every job "takes" one, and no job listens):
     # a job there ends when it has nothing to do.
     several_turns = settings.LONGHAUL_GATEWAY_TURNS > 1 and connection.vendor == "postgresql"
-    # httpx2's default pool holds 100 connections whatever the cap says. Each client may open them all (the
-    # process's cap bounds the calls out), and keeps its share open between calls.
-    pool = httpx2.Limits(max_connections=cap, max_keepalive_connections=-(-cap // CLIENT_SHARDS))
     try:
         took_turn()
         CALLS_OUT[id(in_flight)] = in_flight
         await listener.start(await sync_to_async(requested.conninfo)())
-        async with contextlib.AsyncExitStack() as clients_open:
-            clients = [await clients_open.enter_async_context(httpx2.AsyncClient(
-                follow_redirects=False, limits=pool, verify=_tls_context())) for _ in range(CLIENT_SHARDS)]
+        async with gateway_client(cap) as client:
             stop_claiming = time.monotonic() + run_for  # the slice starts once the job can claim
             while True:
                 claiming = time.monotonic() < stop_claiming and not draining.is_set() and not drain.ending.is_set()
@@ -1193,7 +1182,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                     batch, retries, anything_due = await claims.run(_claim_for, owner, share, watchdog)
                     for op in batch:
                         in_flight[asyncio.create_task(_run_one(
-                            op, owner=owner, client=clients[op.pk % CLIENT_SHARDS], recorder=recorder,
+                            op, owner=owner, client=client, recorder=recorder,
                             retries=retries.get(op.task_id, 0)))] = op.pk
                     ran += len(batch)
                     if several_turns and len(batch) == share and share < room:
@@ -1262,15 +1251,6 @@ CALLS_OUT: dict[int, Sized] = {}
 def calls_out() -> int:
     """The calls out with this process's gateway jobs."""
     return sum(map(len, list(CALLS_OUT.values())))
-
-
-@functools.cache
-def _tls_context() -> ssl.SSLContext:
-    """The TLS settings of every gateway job in this process: building them reads the CA bundle (about 25 ms
-    of CPU), once per process rather than once per job. An SSLContext serves any number of connections."""
-    import httpx2
-
-    return httpx2.create_ssl_context()
 
 
 class DatabaseThread:

@@ -52,9 +52,10 @@ PUSHER_SECONDS = 2.0  # above the longest wait of an idle pusher for a kick (tas
 PROBE_EVERY = 1.0
 RECYCLED = -2  # a worker's timer once django-q2 has recycled it (django_q/worker.py): it takes no more work
 _PR_SET_PDEATHSIG = 1
-# What a worker's jobs import beyond their own modules (kicks.JOBS): the gateway's HTTP client, providers and
-# tools, and the MCP client.
-WORKER_MODULES = ("httpx2", "tasks.gateway.providers", "tasks.gateway.tools", "tasks.mcp.client", "tasks.mcp.calls")
+# What a worker's jobs import beyond their own modules (kicks.JOBS): the gateway's HTTP client and its transport,
+# providers and tools, and the MCP client.
+WORKER_MODULES = ("httpx2", "aiohttp", "tasks.gateway.transport", "tasks.gateway.providers", "tasks.gateway.tools",
+                  "tasks.mcp.client", "tasks.mcp.calls")
 
 
 class ClusterWedged(LonghaulError):

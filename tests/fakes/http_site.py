@@ -8,6 +8,7 @@ and a SearxNG-style JSON search endpoint at /search.
 
 from __future__ import annotations
 
+import gzip
 import json
 import threading
 from collections.abc import Iterator
@@ -66,6 +67,10 @@ class _Handler(QuietHandler):
 
     def route_plain(self, site: HttpSite, query: dict[str, str]) -> None:
         self._answer(200, b"Plain notes\nLine two of the notes.\n", "text/plain")
+
+    def route_gzipped(self, site: HttpSite, query: dict[str, str]) -> None:
+        """Plain text sent gzip-encoded, as most sites send their pages."""
+        self._answer(200, gzip.compress(b"Notes sent compressed.\n" * 50), "text/plain", {"Content-Encoding": "gzip"})
 
     def route_big(self, site: HttpSite, query: dict[str, str]) -> None:
         """`total` bytes (default 5 MB), streamed with no Content-Length, until the client hangs up."""

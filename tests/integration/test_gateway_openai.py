@@ -12,13 +12,13 @@ import socket
 import sys
 from collections.abc import Iterator
 
-import httpx2
 import pytest
 
 from tasks.errors import PermanentError, RateLimited, StepTimeout, TransientError
 from tasks.gateway.providers import ModelCall, ModelSettings, get_provider
 from tasks.gateway.providers.openai import OpenAIProvider
 from tasks.gateway.retry import RetryBudget
+from tasks.gateway.transport import gateway_client
 from tasks.gateway.untrusted import CLOSE
 from tests.fakes import RecordingSleep
 from tests.fakes.openai_server import FakeOpenAI, RawBody, Reply, Status
@@ -45,7 +45,7 @@ def provider_for(server: FakeOpenAI, *, timeout: float = 5.0) -> tuple[OpenAIPro
 
 
 async def call(provider: OpenAIProvider, model_call: ModelCall, budget: RetryBudget):
-    async with httpx2.AsyncClient() as client:
+    async with gateway_client(100) as client:
         return await provider.run(model_call, client=client, budget=budget)
 
 
@@ -295,7 +295,7 @@ async def test_many_calls_are_in_flight_at_once(fake_openai):
     fake_openai.default = Reply(content=PLAN_REPLY, delay=0.5)
     provider, _ = provider_for(fake_openai)
 
-    async with httpx2.AsyncClient(limits=httpx2.Limits(max_connections=100)) as client:
+    async with gateway_client(100) as client:
         results = await asyncio.gather(*(provider.run(PLAN, client=client, budget=RetryBudget(0))
                                          for _ in range(25)))
 
@@ -321,7 +321,7 @@ async def test_a_warm_call_looks_for_no_module(fake_openai):
     fake_openai.default = Reply(content=PLAN_REPLY)
     provider, _ = provider_for(fake_openai)
     lookups = _Lookups()
-    async with httpx2.AsyncClient() as client:
+    async with gateway_client(100) as client:
         await provider.run(PLAN, client=client, budget=RetryBudget(0))
         sys.meta_path.insert(0, lookups)
         try:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx2
 import pytest
 
 from tasks.errors import TransientError
 from tasks.gateway.retry import RetryBudget
 from tasks.gateway.tools import ToolCall, run_tool
+from tasks.gateway.transport import gateway_client
 from tests.fakes import RecordingSleep
 from tests.fakes.http_site import HttpSite
 
@@ -21,7 +21,7 @@ def http_site() -> Iterator[HttpSite]:
 
 
 async def search(query: str, limit: int, *, budget: RetryBudget, sleep: RecordingSleep | None = None) -> dict:
-    async with httpx2.AsyncClient() as client:
+    async with gateway_client(100) as client:
         return await run_tool(ToolCall("search", {"query": query, "limit": limit}), client=client, budget=budget,
                               sleep=sleep or RecordingSleep())
 

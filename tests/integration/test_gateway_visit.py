@@ -17,6 +17,7 @@ import pytest
 from tasks.errors import PermanentError, StepTimeout, TransientError
 from tasks.gateway.retry import RetryBudget
 from tasks.gateway.tools import ToolCall, run_tool
+from tasks.gateway.transport import AiohttpTransport, gateway_client, tls_context
 from tests.fakes import RecordingSleep
 from tests.fakes.http_site import HttpSite
 
@@ -36,10 +37,10 @@ def private_fetch(settings):
 
 
 class RecordingTransport(httpx2.AsyncBaseTransport):
-    """The real transport, noting the host of every request it is asked to send."""
+    """The gateway's transport, noting the host of every request it is asked to send."""
 
     def __init__(self) -> None:
-        self.inner = httpx2.AsyncHTTPTransport()
+        self.inner = AiohttpTransport(limit=100, ssl_context=tls_context())
         self.hosts: list[str] = []
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
@@ -52,7 +53,8 @@ class RecordingTransport(httpx2.AsyncBaseTransport):
 
 async def visit(url: str, *, budget: RetryBudget | None = None, sleep: RecordingSleep | None = None,
                 transport: httpx2.AsyncBaseTransport | None = None) -> dict:
-    async with httpx2.AsyncClient(transport=transport) as client:
+    async with (gateway_client(100) if transport is None
+                else httpx2.AsyncClient(follow_redirects=False, transport=transport)) as client:
         return await run_tool(ToolCall("visit", {"url": url}), client=client, budget=budget or RetryBudget(0),
                               sleep=sleep or RecordingSleep())
 
@@ -204,6 +206,12 @@ async def test_a_missing_page_is_permanent(private_fetch, http_site):
 
 
 async def test_an_unknown_tool_is_permanent():
-    async with httpx2.AsyncClient() as client:
+    async with gateway_client(100) as client:
         with pytest.raises(PermanentError, match="unknown tool"):
             await run_tool(ToolCall("shell", {"cmd": "ls"}), client=client, budget=RetryBudget(1))
+
+
+async def test_a_compressed_page_is_read_as_its_text(private_fetch, http_site):
+    page = await visit(f"{http_site.url}/gzipped")
+
+    assert page["text"] == "Notes sent compressed.\n" * 50

@@ -12,6 +12,7 @@ from django.db import connection, transaction  # noqa: F401 (connection: read by
 
 from tasks import actions, clock, jobs, leases, liveness, notifications, operations, runner, sweeper
 from tasks.gateway.providers.offline import plan_subquestions
+from tasks.gateway.transport import gateway_client
 from tasks.models import Alert, Checkpoint, Operation, Task
 from tasks.statuses import NotificationStatus, OperationStatus, TaskStatus
 from tests.factories import submit_sleep
@@ -31,10 +32,8 @@ def _one_step_per_advance(settings):
 
 def finish_call(op: Operation) -> bool:
     """The gateway job that claimed `op` runs it with the real offline provider and records it."""
-    import httpx2
-
     async def run() -> None:
-        async with httpx2.AsyncClient() as client:
+        async with gateway_client(100) as client:
             await operations._run_one(op, owner="gateway:1", client=client)
 
     asyncio.run(run())

@@ -28,10 +28,12 @@ import django
 django.setup()
 from tasks import supervisor
 supervisor.freeze_what_workers_share()
+import aiohttp
 import httpx2
 from tasks.drivers.research import ResearchDriver
+from tasks.gateway.transport import AiohttpTransport
 from tasks.jobs import advance
-shared = (advance, httpx2.AsyncClient, ResearchDriver)
+shared = (advance, httpx2.AsyncClient, aiohttp.ClientSession, AiohttpTransport, ResearchDriver)
 print(gc.get_freeze_count() > 0, all(obj is not o for obj in gc.get_objects() for o in shared))
 """
 
