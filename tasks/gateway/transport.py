@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import ssl
 from collections.abc import AsyncIterator
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import aiohttp
@@ -26,8 +27,9 @@ CHUNK_BYTES = 64 * 1024
 
 def gateway_client(limit: int) -> httpx2.AsyncClient:
     """The client a gateway job's calls share (and a chat run's): up to `limit` connections, redirects not
-    followed."""
-    return httpx2.AsyncClient(follow_redirects=False,
+    followed, and no cookies kept. It serves every tenant's calls, so a cookie a site set on one tenant's visit
+    would go back to that site on another's."""
+    return httpx2.AsyncClient(follow_redirects=False, cookies=CookieJar(DefaultCookiePolicy(allowed_domains=[])),
                               transport=AiohttpTransport(limit=limit, ssl_context=tls_context()))
 
 

@@ -68,6 +68,14 @@ class _Handler(QuietHandler):
     def route_plain(self, site: HttpSite, query: dict[str, str]) -> None:
         self._answer(200, b"Plain notes\nLine two of the notes.\n", "text/plain")
 
+    def route_set_cookie(self, site: HttpSite, query: dict[str, str]) -> None:
+        """A session cookie, as a site its visitor is logged in to sets one."""
+        self._answer(200, b"welcome back", "text/plain", {"Set-Cookie": "session=first-visitor; Path=/"})
+
+    def route_sent_cookie(self, site: HttpSite, query: dict[str, str]) -> None:
+        """The Cookie header this request carried, as plain text."""
+        self._answer(200, f"cookie: {self.headers.get('Cookie') or 'none'}".encode(), "text/plain")
+
     def route_gzipped(self, site: HttpSite, query: dict[str, str]) -> None:
         """Plain text sent gzip-encoded, as most sites send their pages."""
         self._answer(200, gzip.compress(b"Notes sent compressed.\n" * 50), "text/plain", {"Content-Encoding": "gzip"})

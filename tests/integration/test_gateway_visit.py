@@ -215,3 +215,13 @@ async def test_a_compressed_page_is_read_as_its_text(private_fetch, http_site):
     page = await visit(f"{http_site.url}/gzipped")
 
     assert page["text"] == "Notes sent compressed.\n" * 50
+
+
+async def test_a_cookie_one_visit_was_given_is_never_sent_on_another(private_fetch, http_site):
+    """A gateway job's client serves every tenant's calls: what a site set on one visit must not reach the next."""
+    async with gateway_client(100) as client:
+        for path in ("set-cookie", "sent-cookie"):
+            page = await run_tool(ToolCall("visit", {"url": f"{http_site.url}/{path}"}), client=client,
+                                  budget=RetryBudget(0), sleep=RecordingSleep())
+
+    assert page["text"].strip() == "cookie: none"
