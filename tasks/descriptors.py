@@ -17,7 +17,7 @@ import logging
 import resource
 
 log = logging.getLogger(__name__)
-SOCKETS_PER_CALL = 2  # the call's own connection, and as many again kept idle by the job's clients
+SOCKETS_PER_CALL = 2  # the call's own connection, and as many again kept idle by the job's client (for the APIs' hosts)
 RESERVED = 64  # the worker's own files: database connections (three per job), logs, the broker's, the listener's
 
 

@@ -172,7 +172,8 @@ async def fetch_once(url: httpx2.URL, *, client: httpx2.AsyncClient, config: Vis
     extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
     request = client.build_request(
         "GET", pinned, timeout=config.timeout_s, extensions=extensions,
-        headers={"Host": host_header, "User-Agent": USER_AGENT,
+        # A page is one request to a host this job may not see again: its connection is not kept open.
+        headers={"Host": host_header, "User-Agent": USER_AGENT, "Connection": "close",
                  "Accept": "text/html, application/xhtml+xml, text/plain;q=0.9"},
     )
     try:

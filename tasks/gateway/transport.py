@@ -19,10 +19,13 @@ from typing import Any
 
 import aiohttp
 import httpx2
+from aiohttp.connector import NEEDS_CLEANUP_CLOSED
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 from yarl import URL
 
 CHUNK_BYTES = 64 * 1024
+MAX_HEADER_BYTES = 100 * 1024  # a response's status line or one header, at most (httpx2's whole header block)
 
 
 def gateway_client(limit: int) -> httpx2.AsyncClient:
@@ -41,8 +44,9 @@ def tls_context() -> ssl.SSLContext:
 
 
 class AiohttpTransport(httpx2.AsyncBaseTransport):
-    """Up to `limit` connections open at once, over all hosts; its session opens on the first request, on the
-    event loop that sends it, and closes with the client."""
+    """Up to `limit` connections in use at once, over all hosts (idle ones kept open for the next request to
+    their host come besides: a visit asks its page's host to close, so they are the APIs', a few per host). Its
+    session opens on the first request, on the event loop that sends it, and closes with the client."""
 
     def __init__(self, *, limit: int, ssl_context: ssl.SSLContext) -> None:
         self._limit, self._ssl_context = limit, ssl_context
@@ -51,38 +55,55 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._limit, ssl=self._ssl_context),
+                connector=aiohttp.TCPConnector(
+                    limit=self._limit, ssl=self._ssl_context,
+                    # This Python's asyncio can leave a TLS connection closed mid-body open (aiohttp's own check).
+                    enable_cleanup_closed=NEEDS_CLEANUP_CLOSED),
                 cookie_jar=aiohttp.DummyCookieJar(),  # the httpx2 client keeps the cookies
                 auto_decompress=False,  # the httpx2 response decodes the body
                 timeout=aiohttp.ClientTimeout(total=None),  # each request's own, from its httpx2 timeout
                 trust_env=False,  # the httpx2 client sends proxied requests through a transport of its own
+                skip_auto_headers=("Content-Type",),  # the httpx2 request has the headers it needs
+                # httpx2 read a header block of up to 100 KiB; aiohttp's default refuses a header above 8 KiB.
+                max_line_size=MAX_HEADER_BYTES, max_field_size=MAX_HEADER_BYTES,
             )
         return self._session
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         timeout: dict[str, float | None] = request.extensions.get("timeout", {})
         sni = request.extensions.get("sni_hostname")
-        body = await request.aread()
+        body = await request.aread()  # sent whole, with its Content-Length: never chunked
+        headers = CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw
+                              if name.lower() != b"transfer-encoding")
+        if body:
+            headers["Content-Length"] = str(len(body))
         try:
             response = await self._open().request(
-                request.method, URL(str(request.url), encoded=True),
-                headers=CIMultiDict((name.decode("latin-1"), value.decode("latin-1"))
-                                    for name, value in request.headers.raw),
-                data=body or None, allow_redirects=False,
-                server_hostname=sni if sni and request.url.scheme == "https" else None,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeout.get("connect"),
-                                              sock_read=timeout.get("read")),
+                request.method, URL(str(request.url), encoded=True), headers=headers, data=body or None,
+                allow_redirects=False, server_hostname=sni if sni and request.url.scheme == "https" else None,
+                # httpx2's pool timeout bounds the wait for a connection (aiohttp's `connect` counts the pool's
+                # wait and the connecting); it has no write timeout: the callers bound a whole exchange.
+                timeout=aiohttp.ClientTimeout(total=None, connect=_summed(timeout.get("pool"), timeout.get("connect")),
+                                              sock_connect=timeout.get("connect"), sock_read=timeout.get("read")),
             )
         except Exception as exc:
-            raise _as_httpx2(exc, connecting=True) from exc
+            mapped = _as_httpx2(exc, connecting=True)
+            if mapped is None:
+                raise
+            raise mapped from exc
+        version = f"HTTP/{response.version.major}.{response.version.minor}" if response.version else "HTTP/1.1"
         return httpx2.Response(
             status_code=response.status, headers=response.raw_headers, stream=_Body(response),
-            extensions={"http_version": b"HTTP/1.1", "reason_phrase": (response.reason or "").encode("latin-1")})
+            extensions={"http_version": version.encode(), "reason_phrase": (response.reason or "").encode("latin-1")})
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _summed(*seconds: float | None) -> float | None:
+    return None if any(s is None for s in seconds) else sum(s for s in seconds if s is not None)
 
 
 class _Body(httpx2.AsyncByteStream):
@@ -94,7 +115,10 @@ class _Body(httpx2.AsyncByteStream):
             async for chunk in self._response.content.iter_chunked(CHUNK_BYTES):
                 yield chunk
         except Exception as exc:
-            raise _as_httpx2(exc, connecting=False) from exc
+            mapped = _as_httpx2(exc, connecting=False)
+            if mapped is None:
+                raise
+            raise mapped from exc
 
     async def aclose(self) -> None:
         # Read to its end, the connection goes back to the pool; cut short (a visit's size limit), it is closed.
@@ -104,8 +128,8 @@ class _Body(httpx2.AsyncByteStream):
             self._response.close()
 
 
-def _as_httpx2(exc: Exception, *, connecting: bool) -> Exception:
-    """aiohttp's failure as the httpx2 exception its callers catch; anything else as it is."""
+def _as_httpx2(exc: Exception, *, connecting: bool) -> Exception | None:
+    """aiohttp's failure as the httpx2 exception its callers catch; None for anything else."""
     message = str(exc) or type(exc).__name__
     kind: Any
     if isinstance(exc, aiohttp.ConnectionTimeoutError) or (connecting and isinstance(exc, TimeoutError)
@@ -115,12 +139,12 @@ def _as_httpx2(exc: Exception, *, connecting: bool) -> Exception:
         kind = httpx2.ReadTimeout
     elif isinstance(exc, aiohttp.ClientConnectorError):
         kind = httpx2.ConnectError
-    elif isinstance(exc, aiohttp.InvalidURL):
+    elif isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
         kind = httpx2.UnsupportedProtocol
-    elif isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientResponseError):
+    elif isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientResponseError | HttpProcessingError):
         kind = httpx2.RemoteProtocolError
     elif isinstance(exc, aiohttp.ClientError | OSError):
         kind = httpx2.ReadError
     else:
-        return exc
+        return None
     return kind(message)

@@ -76,6 +76,14 @@ class _Handler(QuietHandler):
         """The Cookie header this request carried, as plain text."""
         self._answer(200, f"cookie: {self.headers.get('Cookie') or 'none'}".encode(), "text/plain")
 
+    def route_sent_connection(self, site: HttpSite, query: dict[str, str]) -> None:
+        """The Connection header this request carried, as plain text."""
+        self._answer(200, f"connection: {self.headers.get('Connection') or 'none'}".encode(), "text/plain")
+
+    def route_long_header(self, site: HttpSite, query: dict[str, str]) -> None:
+        """A page with a 9,000-byte header, as a site's content security policy or link list can be."""
+        self._answer(200, PAGE.encode(), "text/html; charset=utf-8", {"Content-Security-Policy": "a" * 9000})
+
     def route_gzipped(self, site: HttpSite, query: dict[str, str]) -> None:
         """Plain text sent gzip-encoded, as most sites send their pages."""
         self._answer(200, gzip.compress(b"Notes sent compressed.\n" * 50), "text/plain", {"Content-Encoding": "gzip"})

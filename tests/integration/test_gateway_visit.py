@@ -225,3 +225,18 @@ async def test_a_cookie_one_visit_was_given_is_never_sent_on_another(private_fet
                                   budget=RetryBudget(0), sleep=RecordingSleep())
 
     assert page["text"].strip() == "cookie: none"
+
+
+async def test_a_page_with_a_long_header_is_read(private_fetch, http_site):
+    """httpx2 read a header block of up to 100 KiB; the transport under it must not refuse what it took."""
+    page = await visit(f"{http_site.url}/long-header")
+
+    assert page["title"] == "Cancellation in depth"
+
+
+async def test_a_visit_asks_the_site_to_close_its_connection(private_fetch, http_site):
+    """A page is one request to a host the job may never visit again: kept open, its connection would sit idle
+    beside the job's cap (the transport counts only the connections in use)."""
+    page = await visit(f"{http_site.url}/sent-connection")
+
+    assert page["text"].strip() == "connection: close"
