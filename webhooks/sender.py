@@ -14,6 +14,7 @@ from webhooks import destinations
 
 USER_AGENT = "Longhaul-webhooks/0.1"
 SHOWN_RESPONSE_CHARS = 500
+UNDECODABLE = "(a body that does not decode)"  # an answer whose Content-Encoding lies, as shown
 
 
 class SendFailed(Exception):
@@ -67,8 +68,11 @@ async def _read_capped(response: httpx2.Response) -> str:
     """At most LONGHAUL_WEBHOOK_MAX_RESPONSE_BYTES of the answer: a receiver cannot make us read a flood."""
     cap = int(settings.LONGHAUL_WEBHOOK_MAX_RESPONSE_BYTES)
     content = bytearray()
-    async for chunk in response.aiter_bytes():
-        content += chunk[: cap - len(content)]
-        if len(content) >= cap:
-            break
+    try:
+        async for chunk in response.aiter_bytes():
+            content += chunk[: cap - len(content)]
+            if len(content) >= cap:
+                break
+    except httpx2.DecodingError:  # read for its message only: the status decides
+        return UNDECODABLE
     return content.decode("utf-8", errors="replace")

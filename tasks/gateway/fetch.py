@@ -187,6 +187,8 @@ async def fetch_once(url: httpx2.URL, *, client: httpx2.AsyncClient, config: Vis
         raise StepTimeout(f"visit: {url.host} did not answer within {config.timeout_s:g} s") from exc
     except httpx2.TransportError as exc:
         raise TransientError(f"visit: could not fetch from {url.host}: {type(exc).__name__}") from exc
+    except httpx2.DecodingError as exc:  # not a TransportError: the body arrived, and is not what it says
+        raise PermanentError(f"visit: {url.host} sent a body its Content-Encoding does not decode") from exc
 
 
 async def _read(response: httpx2.Response, *, url: httpx2.URL, config: VisitSettings) -> Redirect | Body:

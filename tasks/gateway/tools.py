@@ -99,6 +99,8 @@ async def web_search(endpoint: str, query: str, *, limit: int, client: httpx2.As
         raise StepTimeout(f"search did not answer within {timeout:g} s") from exc
     except httpx2.TransportError as exc:
         raise TransientError(f"search unreachable: {type(exc).__name__}") from exc
+    except httpx2.DecodingError as exc:  # as a body that is not JSON, below
+        raise TransientError("search sent a body its Content-Encoding does not decode") from exc
     raise_for_status(response, what="search")
     try:
         items = response.json().get("results")

@@ -88,6 +88,10 @@ class _Handler(QuietHandler):
         """Plain text sent gzip-encoded, as most sites send their pages."""
         self._answer(200, gzip.compress(b"Notes sent compressed.\n" * 50), "text/plain", {"Content-Encoding": "gzip"})
 
+    def route_bad_gzip(self, site: HttpSite, query: dict[str, str]) -> None:
+        """A body that says it is gzip-encoded and is not."""
+        self._answer(200, b"this is not gzip at all", "text/html", {"Content-Encoding": "gzip"})
+
     def route_big(self, site: HttpSite, query: dict[str, str]) -> None:
         """`total` bytes (default 5 MB), streamed with no Content-Length, until the client hangs up."""
         total = int(query.get("total", 5_000_000))
@@ -129,6 +133,9 @@ class _Handler(QuietHandler):
         site.wait(float(query.get("delay", 0)))
         if site.flaky_count(int(query.get("fail", 0))):
             self._answer(503, b"busy", "text/plain")
+            return
+        if query.get("encoding") == "broken":
+            self._answer(200, b"this is not gzip", "application/json", {"Content-Encoding": "gzip"})
             return
         words = query.get("q", "")
         results = [{"url": f"https://docs.example/{i}", "title": f"Result {i} for {words}",

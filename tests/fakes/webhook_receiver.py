@@ -75,6 +75,8 @@ class _Handler(QuietHandler):
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
+            if receiver.broken_encoding:  # the answer says it is gzip-encoded, and is not
+                self.send_header("Content-Encoding", "gzip")
             self.send_header("Content-Length", str(len(reply)))
             self.end_headers()
             self.wfile.write(reply)
@@ -89,6 +91,7 @@ class WebhookReceiver(LoopbackServer):
         super().__init__()
         self.secrets: list[str] = list(secrets or [])
         self.scripted_status: int | None = None
+        self.broken_encoding = False
         self.received: list[Received] = []
         self._lock = threading.Lock()
         self._held = threading.Event()

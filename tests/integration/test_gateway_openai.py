@@ -377,3 +377,11 @@ async def test_a_reply_object_with_a_number_too_large_for_a_double_is_malformed(
 
     with pytest.raises(PermanentError, match="malformed"):
         await call(provider, PLAN, RetryBudget(0))
+
+
+async def test_a_body_that_does_not_decode_is_transient_and_says_so(fake_openai):
+    fake_openai.script(Status(200, headers={"Content-Encoding": "gzip"}, body="not gzip at all"))
+    provider, _ = provider_for(fake_openai)
+
+    with pytest.raises(TransientError, match="model server sent a body its Content-Encoding does not decode"):
+        await call(provider, PLAN, RetryBudget(0))

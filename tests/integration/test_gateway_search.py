@@ -56,3 +56,10 @@ async def test_a_busy_endpoint_is_transient_once_the_budget_is_spent(settings, h
         await search("threads", 2, budget=RetryBudget(1))
 
     assert http_site.paths == ["/search", "/search"]
+
+
+async def test_a_body_that_does_not_decode_is_transient_and_says_so(settings, http_site):
+    settings.LONGHAUL_SEARCH_URL = f"{http_site.url}/search?encoding=broken"
+
+    with pytest.raises(TransientError, match="search sent a body its Content-Encoding does not decode"):
+        await search("threads", 2, budget=RetryBudget(0))

@@ -240,3 +240,8 @@ async def test_a_visit_asks_the_site_to_close_its_connection(private_fetch, http
     page = await visit(f"{http_site.url}/sent-connection")
 
     assert page["text"].strip() == "connection: close"
+
+
+async def test_a_body_that_does_not_decode_is_a_permanent_error_naming_it(private_fetch, http_site):
+    with pytest.raises(PermanentError, match="visit: 127.0.0.1 sent a body its Content-Encoding does not decode"):
+        await visit(f"{http_site.url}/bad-gzip")

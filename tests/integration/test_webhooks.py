@@ -507,3 +507,19 @@ def test_an_operator_registers_an_endpoint_in_the_admin_and_sees_its_secret_once
     change_page = client.get(f"/admin/webhooks/endpoint/{endpoint.pk}/change/").content.decode()
     assert endpoint.secret not in change_page
     assert AuditEntry.objects.filter(action="webhook.registered", actor=operator).exists()
+
+
+@pytest.mark.parametrize(("status", "outcome"), [(200, "delivered"), (500, "answered HTTP 500: (a body that does not decode)")])
+def test_an_answer_whose_body_does_not_decode_is_judged_by_its_status(receiver, status, outcome):
+    """A receiver's answer is read for its message only: a body that says it is gzip-encoded and is not must not
+    turn a delivery into a crash, nor hide the status."""
+    from asgiref.sync import async_to_sync
+
+    receiver.answer_with(status)
+    receiver.broken_encoding = True
+    try:
+        sent = async_to_sync(sender.post)(receiver.url + "/hook", body='{"a": 1}', headers={})
+    except sender.SendFailed as failed:
+        assert str(failed) == outcome
+    else:
+        assert sent.status_code == status and outcome == "delivered"

@@ -176,6 +176,8 @@ class OpenAIProvider:
             raise StepTimeout(f"model server did not answer within {timeout:g} s") from exc
         except httpx2.TransportError as exc:
             raise TransientError(f"model server unreachable: {type(exc).__name__}") from exc
+        except httpx2.DecodingError as exc:  # as a body that is not JSON, below
+            raise TransientError("model server sent a body its Content-Encoding does not decode") from exc
         status = response.status_code
         if status == 429:
             retry_after = retry_after_seconds(response.headers.get("retry-after"))
