@@ -91,8 +91,16 @@ def _aad(label: str, tenant_id: int) -> bytes:
 # (tenant, version) -> (key, or None once destroyed; when read). tenant -> (current version, when read).
 _keys: dict[tuple[int, int], tuple[bytes | None, float]] = {}
 _current: dict[int, tuple[int, float]] = {}
-# Per thread (a connection's): the tenants whose key rows its open transaction has written (made or destroyed).
-_writing = threading.local()
+
+
+class _Writing(threading.local):
+    """Per thread (a connection's): the tenants whose key rows its open transaction has written (made or destroyed)."""
+
+    def __init__(self) -> None:
+        self.tenants: set[int] = set()
+
+
+_writing = _Writing()
 
 
 def forget_cached_keys() -> None:
@@ -143,25 +151,19 @@ def _remember(tenant_id: int, version: int, key: bytes | None, *, current: bool 
         _keys[(tenant_id, version)] = (key, time.monotonic())
         if current:
             _current[tenant_id] = (version, time.monotonic())
-        _written().discard(tenant_id)  # what this thread reads of them now is committed (a rollback left it here)
+        _writing.tenants.discard(tenant_id)  # what this thread reads of them now is committed (a rollback left it)
 
-    if tenant_id in _written():
+    if tenant_id in _writing.tenants:
         transaction.on_commit(store)
     else:
         store()
-
-
-def _written() -> set[int]:
-    if not hasattr(_writing, "tenants"):
-        _writing.tenants = set()
-    return _writing.tenants
 
 
 def _writes_keys_of(tenant_id: int) -> None:
     """Before this thread writes the tenant's key rows: until its transaction commits, what it reads of them
     is not cached (the commit, or the next cached read after a rollback, clears the mark)."""
     if transaction.get_connection().in_atomic_block:
-        written = _written()
+        written = _writing.tenants
         written.add(tenant_id)
         transaction.on_commit(lambda: written.discard(tenant_id))
 

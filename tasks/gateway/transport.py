@@ -71,6 +71,7 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         timeout: dict[str, float | None] = request.extensions.get("timeout", {})
+        pool, connect = timeout.get("pool"), timeout.get("connect")
         sni = request.extensions.get("sni_hostname")
         body = await request.aread()  # sent whole, with its Content-Length: never chunked
         headers = CIMultiDict((name.decode("latin-1"), value.decode("latin-1")) for name, value in request.headers.raw
@@ -83,8 +84,8 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
                 allow_redirects=False, server_hostname=sni if sni and request.url.scheme == "https" else None,
                 # httpx2's pool timeout bounds the wait for a connection (aiohttp's `connect` counts the pool's
                 # wait and the connecting); it has no write timeout: the callers bound a whole exchange.
-                timeout=aiohttp.ClientTimeout(total=None, connect=_summed(timeout.get("pool"), timeout.get("connect")),
-                                              sock_connect=timeout.get("connect"), sock_read=timeout.get("read")),
+                timeout=aiohttp.ClientTimeout(total=None, connect=None if pool is None or connect is None
+                                              else pool + connect, sock_connect=connect, sock_read=timeout.get("read")),
             )
         except Exception as exc:
             mapped = _as_httpx2(exc, connecting=True)
@@ -100,10 +101,6 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-def _summed(*seconds: float | None) -> float | None:
-    return None if any(s is None for s in seconds) else sum(s for s in seconds if s is not None)
 
 
 class _Body(httpx2.AsyncByteStream):

@@ -55,6 +55,7 @@ def _invisible() -> re.Pattern[str]:
             ranges.append((code, code))
     return re.compile("[" + "".join(f"{re.escape(chr(first))}-{re.escape(chr(last))}" for first, last in ranges) + "]")
 
+
 def _defuse(text: str) -> str:
     """Make tags, template tokens and role markers inert."""
     text = _TAG_START.sub("\u2039", text)

@@ -7,6 +7,7 @@ from datetime import timedelta
 
 import pytest
 import time_machine
+from asgiref.sync import async_to_sync
 from django.contrib.auth.models import User
 from django.db import transaction
 from django_q.models import OrmQ
@@ -384,8 +385,6 @@ def test_a_worker_killed_mid_delivery_loses_nothing(acme, alice, alice_api, rece
 
     # The worker claims the row and its request reaches the receiver; then it is killed before recording.
     claimed = outbox.claim(row.pk, owner="doomed:1", now=clock.now())
-    from asgiref.sync import async_to_sync
-
     headers = signing.headers(message_id=claimed.webhook_id, at=clock.now(), body=claimed.body,
                               signing_secrets=claimed.signing_secrets)
     async_to_sync(sender.post)(claimed.url, body=claimed.body, headers=headers)
@@ -509,17 +508,15 @@ def test_an_operator_registers_an_endpoint_in_the_admin_and_sees_its_secret_once
     assert AuditEntry.objects.filter(action="webhook.registered", actor=operator).exists()
 
 
-@pytest.mark.parametrize(("status", "outcome"), [(200, "delivered"), (500, "answered HTTP 500: (a body that does not decode)")])
-def test_an_answer_whose_body_does_not_decode_is_judged_by_its_status(receiver, status, outcome):
+
+def test_an_answer_whose_body_does_not_decode_is_judged_by_its_status(receiver):
     """A receiver's answer is read for its message only: a body that says it is gzip-encoded and is not must not
     turn a delivery into a crash, nor hide the status."""
-    from asgiref.sync import async_to_sync
-
-    receiver.answer_with(status)
     receiver.broken_encoding = True
-    try:
-        sent = async_to_sync(sender.post)(receiver.url + "/hook", body='{"a": 1}', headers={})
-    except sender.SendFailed as failed:
-        assert str(failed) == outcome
-    else:
-        assert sent.status_code == status and outcome == "delivered"
+    receiver.answer_with(200)
+    assert async_to_sync(sender.post)(receiver.url + "/hook", body='{"a": 1}', headers={}).status_code == 200
+
+    receiver.answer_with(500)
+    with pytest.raises(sender.SendFailed) as failed:
+        async_to_sync(sender.post)(receiver.url + "/hook", body='{"a": 1}', headers={})
+    assert str(failed.value) == "answered HTTP 500: (a body that does not decode)"
