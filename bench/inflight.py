@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import os
 import threading
@@ -56,7 +57,7 @@ from tests.fakes.openai_server import FakeOpenAI, Reply, _Handler, research_repl
 TARGET_PER_PROCESS = 100
 CLAIM_WAIT_TARGET_MS = 50  # a call requested -> claimed by a gateway job, p50
 NEXT_STEP_TARGET_MS = 100  # a step's last answer (the gateway had it) -> its next step committed, p50
-SATURATED = 0.9  # a second in which the cores were this busy had no CPU to spare for a step
+SATURATED = 0.9  # 0.2 s in which the cores were this busy had no CPU to spare for a step
 POOL_CONCURRENCY = 400  # each pool's (model, search, visit): above what a wave of 200 tasks asks of the model
 WITH_ROOM = "requested while the gateway had room for it"
 # A call's time out with a gateway job, in two: the remote answer as the job timed it (usage.duration_ms,
@@ -174,12 +175,14 @@ class Sampler(threading.Thread):
             self.cpu.look()
             self.busy.append((time.time(), *machine_busy()))
 
-    def busy_seconds(self, *, at_least: float) -> tuple[int, int]:
-        """Of the whole seconds sampled: how many the machine's cores were at least `at_least` busy, and how many."""
-        every = max(1, round(1 / self.interval))
-        per_second = [(later[1] - earlier[1]) / (later[2] - earlier[2])
-                      for earlier, later in zip(self.busy[::every], self.busy[every::every]) if later[2] > earlier[2]]
-        return sum(share >= at_least for share in per_second), len(per_second)
+    def busy_during(self, during: list[float]) -> list[float]:
+        """How busy the machine's cores were (0 to 1) in each of the samples' intervals (0.2 s) in which something
+        of `during` (sorted time.time()s: the steps' commits) happened. Not whole seconds, nor every interval: a
+        wave's steps drain in well under a second, and between waves the cluster waits for the model's answers
+        with nothing to do."""
+        return [(later[1] - earlier[1]) / (later[2] - earlier[2]) for earlier, later in zip(self.busy, self.busy[1:])
+                if later[2] > earlier[2]
+                and bisect.bisect_right(during, later[0]) > bisect.bisect_right(during, earlier[0])]
 
 
 class CpuUse:
@@ -295,10 +298,11 @@ def withdraw_step_kicks(ids: set[int]) -> int:
     return len(stale)
 
 
-def pipeline_waits(ids: list[int], *, cap: int) -> dict[str, list[float]]:
+def pipeline_waits(ids: list[int], *, cap: int, window: tuple[float, float] | None = None) -> dict[str, list[float]]:
     """From the rows: how long operations waited for a gateway job (those requested once a job was
     claiming), ran, and how long a task then waited for its next step to commit once its last
-    operation of a step was done."""
+    operation of a step was done. With a `window` (time.time() from, to), only the calls requested in it,
+    and the steps that asked for them (a step's calls are requested together, by its commit)."""
     checkpoints: dict[tuple[int, int], float] = {
         (task_id, step): at.timestamp()
         for task_id, step, at in Checkpoint.objects.filter(task_id__in=ids).values_list("task_id", "step", "at")}
@@ -313,7 +317,9 @@ def pipeline_waits(ids: list[int], *, cap: int) -> dict[str, list[float]]:
     calls = list(Operation.objects.filter(task_id__in=ids, args__isnull=False, finished_at__isnull=False).values_list(
         "pk", "task_id", "step", "kind", "created_at", "started_at", "finished_at", "usage", "pool"))
     first_claim = min((started for *_, started, _, _, _ in calls), default=None)
-    room = had_room(calls, cap=cap, pool_cap=POOL_CONCURRENCY)
+    room = had_room(calls, cap=cap, pool_cap=POOL_CONCURRENCY)  # the calls before the window hold room too
+    if window is not None:
+        calls = [call for call in calls if window[0] <= call[4].timestamp() <= window[1]]
     for op_id, task_id, step, kind, created, started, done, usage, _ in calls:
         if created >= first_claim:  # a call staged before any worker ran waited for the cluster to start
             claim_wait[kind].append((started - created).total_seconds() * 1000)
@@ -638,7 +644,9 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
     cpu_rows = [[role, f"{used:.1f}", share(used)] for role, used in spent.items()]
     cpu_rows.append([f"the machine's {os.cpu_count()} cores, busy", f"{cores_busy:.1f} of {window:.1f}",
                      share(cores_busy)])
-    saturated, seconds = sampler.busy_seconds(at_least=SATURATED)
+    stepping = sampler.busy_during(commits)
+    saturated, samples = sum(share >= SATURATED for share in stepping), len(stepping)
+    stepping_busy = sum(stepping) / samples if samples else 0.0
     # The whole task cluster's: a worker that runs a gateway job on a thread runs steps beside it.
     calls_made = sum(len(waits[f"{kind} call: {IN_JOB}"]) for kind in ("model", "tool"))
     per_step_ms = shown.cpu_per_step_ms
@@ -646,8 +654,8 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         ["part", "CPU seconds", "share of the cores' time"], cpu_rows)
         + f"\n\nThe task cluster's processes, the gateway's included, used {per_step_ms:.1f} ms of CPU per step "
         f"committed ({steps} steps, and the {calls_made:,} calls they asked for). "
-        f"The cores were at least {SATURATED:.0%} busy in {saturated} of the {seconds} whole seconds sampled "
-        "(/proc/stat every 0.2 s). Each process's CPU time is read from /proc/<pid>/stat every second; one that "
+        f"In the intervals of 0.2 s in which steps committed, the cores were {stepping_busy:.0%} busy on average, "
+        f"and at least {SATURATED:.0%} busy in {saturated} of the {samples} (/proc/stat). Each process's CPU time is read from /proc/<pid>/stat every second; one that "
         "ended between two reads (a worker django-q2 recycled) loses what it used since the last.")
     report.add("Where a task's time goes (milliseconds)", h.table(["interval", "p50", "p90", "p99", "samples"], [
         [name, h.fmt(h.percentile(v, 50), 0), h.fmt(h.percentile(v, 90), 0), h.fmt(h.percentile(v, 99), 0), len(v)]
@@ -746,10 +754,10 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             "the median task of a wave waits about half that. Before that queue there is the recorder's (the rows "
         "above), and after it no hand-off to speak of (a kick "
             "reaches an idle worker at once: its pusher listens for it). "
-            + (f"And the pace is the CPU the steps get: the machine's cores were at least {SATURATED:.0%} busy in "
-               if seconds and saturated * 2 >= seconds else
-               f"The cores had time to spare: they were at least {SATURATED:.0%} busy in only ")
-            + f"{saturated} of the {seconds} seconds from the first call out; of their time the "
+            + f"While steps committed the machine's cores were {stepping_busy:.0%} busy on average (in intervals of "
+            f"0.2 s), and at least {SATURATED:.0%} busy in {saturated} of {samples}: the worker processes, the gateway's "
+            "thread and PostgreSQL share them, so a wave's steps wait for a core as well as for a worker. Of the "
+            "cores' time from the first call out, the "
             f"{'process' if gateways == 1 else f'{gateways} processes'} that ran the gateway took "
             f"{share(spent[ROLES[0]])}, the task cluster's others {share(spent[ROLES[1]])} and PostgreSQL "
             f"{share(spent[ROLES[3]])}, and this benchmark's fakes, which stand for other machines, "

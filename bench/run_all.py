@@ -28,8 +28,8 @@ from pathlib import Path
 
 import _harness as h
 
-BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "inflight_turns", "active_tasks",
-              "idle", "stream_latency", "fairness", "research_quality")
+BENCHMARKS = ("throughput", "claim_scale", "api", "notify_latency", "inflight", "inflight_turns", "inflight_steady",
+              "active_tasks", "idle", "stream_latency", "fairness", "research_quality")
 STREAM_TIMEOUT = 600
 
 
@@ -68,6 +68,12 @@ def _inflight_turns() -> h.Report:
     import inflight
 
     return inflight.run(turns=2)
+
+
+def _inflight_steady() -> h.Report:
+    import inflight_steady
+
+    return inflight_steady.run()
 
 
 def _active_tasks() -> h.Report:
@@ -119,7 +125,8 @@ def _research_quality() -> h.Report:
 
 RUNNERS: dict[str, Callable[[], h.Report]] = {
     "throughput": _throughput, "claim_scale": _claim_scale, "api": _api, "notify_latency": _notify_latency,
-    "inflight": _inflight, "inflight_turns": _inflight_turns, "active_tasks": _active_tasks, "idle": _idle,
+    "inflight": _inflight, "inflight_turns": _inflight_turns,
+    "inflight_steady": _inflight_steady, "active_tasks": _active_tasks, "idle": _idle,
     "stream_latency": _stream_latency,
     "fairness": _fairness, "research_quality": _research_quality,
 }
