@@ -118,12 +118,25 @@ def jobs_waiting_params(now: datetime, *, postgresql: bool) -> tuple:
     return (now, queue, gateway_key(queue), *((gateway_turn_keys(),) if postgresql else ()))
 
 
+def may_vacuum(cursor: Any, table: str) -> bool | None:
+    """Whether the session's role may VACUUM `table` (PostgreSQL): a superuser, or a member of the role that owns
+    it, or of the database's owner unless the table is shared by every database (a catalog). None: no such
+    table (yet: a database check runs before the migrations)."""
+    cursor.execute(
+        "SELECT r.rolsuper OR pg_has_role(c.relowner, 'USAGE') OR (NOT c.relisshared AND pg_has_role(d.datdba, "
+        "'USAGE')) FROM pg_class c, pg_database d, pg_roles r WHERE c.oid = to_regclass(%s) "
+        "AND d.datname = current_database() AND r.rolname = current_user", [table])
+    row = cursor.fetchone()
+    return None if row is None else bool(row[0])
+
+
 class Broker(ORM):
     """The ORM broker over three keys: the cluster's queue, its step kicks and its gateway kicks."""
 
     _listening: Any = None  # the pusher's own connection, LISTENing on CHANNEL; None until its queue is empty
     _warned = False  # the log said listening failed, and it has not worked since
     _deleted = 0  # messages this process deleted since it last vacuumed the table
+    _may_vacuum: bool | None = None  # whether the database role may vacuum the table; None until first asked
 
     @property
     def keys(self) -> tuple[str, str, str]:
@@ -184,9 +197,16 @@ class Broker(ORM):
         connection = connections[Conf.ORM]
         if connection.vendor != "postgresql" or connection.in_atomic_block:
             return  # SQLite reuses a deleted row's space by itself; VACUUM cannot run inside a transaction
+        table = OrmQ._meta.db_table
         try:
             with connection.cursor() as cursor:
-                cursor.execute(f"VACUUM (SKIP_LOCKED) {connection.ops.quote_name(OrmQ._meta.db_table)}")
+                if self._may_vacuum is None:
+                    self._may_vacuum = may_vacuum(cursor, table) is not False
+                    if not self._may_vacuum:  # PostgreSQL would skip it with a warning, every time: said once here
+                        log.warning("broker: the database role may not vacuum %s, which is left to autovacuum "
+                                    "(manage.py check --database default: longhaul.W004)", table)
+                if self._may_vacuum:
+                    cursor.execute(f"VACUUM (SKIP_LOCKED) {connection.ops.quote_name(table)}")
         except DatabaseError as exc:  # the acknowledgement stands; the next vacuum will try again
             log.warning("broker: could not vacuum its table (%s)", exc)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from django.core import checks
@@ -67,7 +68,6 @@ def autovacuum_runs(app_configs: Any = None, databases: Any = None, **kwargs: An
     their statistics keep describing the tables as they were: the claim of the task due longest is then planned
     as for an empty table, a bitmap scan of every due row and of every dead index entry the steps left.
     A database check: `manage.py migrate` and `manage.py check --database default` run it."""
-    from django.db import connections
     from django_q.models import OrmQ
 
     from tasks.models import Checkpoint, Operation, Task, TaskEvent
@@ -76,19 +76,15 @@ def autovacuum_runs(app_configs: Any = None, databases: Any = None, **kwargs: An
     # (the task row's updates are never HOT: tasks/models.py), and the claim is planned from their statistics.
     rewritten = [model._meta.db_table for model in (Task, TaskEvent, Checkpoint, Operation, OrmQ)]
     found: list[checks.CheckMessage] = []
-    for alias in databases or ():
-        connection = connections[alias]
-        if connection.vendor != "postgresql":
-            continue
-        with connection.cursor() as cursor:
-            cursor.execute("SELECT current_setting('autovacuum') = 'on'")
-            server_on = cursor.fetchone()[0]
-            # The option as set (false, off, no, 0...), read as a boolean.
-            cursor.execute("SELECT relname FROM pg_class WHERE relname = ANY(%s) AND relkind = 'r' "
-                           "AND pg_table_is_visible(oid) AND EXISTS (SELECT 1 FROM pg_options_to_table(reloptions) "
-                           "WHERE option_name = 'autovacuum_enabled' AND NOT option_value::bool) "
-                           "ORDER BY relname", [rewritten])
-            tables_off = [name for (name,) in cursor.fetchall()]
+    for alias, cursor in _postgresql_cursors(databases):
+        cursor.execute("SELECT current_setting('autovacuum') = 'on'")
+        server_on = cursor.fetchone()[0]
+        # The option as set (false, off, no, 0...), read as a boolean.
+        cursor.execute("SELECT relname FROM pg_class WHERE relname = ANY(%s) AND relkind = 'r' "
+                       "AND pg_table_is_visible(oid) AND EXISTS (SELECT 1 FROM pg_options_to_table(reloptions) "
+                       "WHERE option_name = 'autovacuum_enabled' AND NOT option_value::bool) "
+                       "ORDER BY relname", [rewritten])
+        tables_off = [name for (name,) in cursor.fetchall()]
         off = rewritten if not server_on else tables_off
         why = "the server's autovacuum is off" if not server_on else "autovacuum_enabled=false"
         if off:
@@ -98,3 +94,34 @@ def autovacuum_runs(app_configs: Any = None, databases: Any = None, **kwargs: An
                 hint=f"Turn it on; where it must stay off, run VACUUM (ANALYZE) on {', '.join(off)} every few "
                      "minutes while tasks run.", id="longhaul.W002"))
     return found
+
+
+@checks.register(checks.Tags.database)
+def broker_table_vacuumed(app_configs: Any = None, databases: Any = None, **kwargs: Any) -> list[checks.CheckMessage]:
+    """The workers' database role may vacuum the broker's table, which their monitors do every VACUUM_EVERY
+    messages (tasks/broker.py): it turns its rows over far faster than autovacuum passes. A database check."""
+    from django_q.models import OrmQ
+
+    from tasks import broker
+
+    found: list[checks.CheckMessage] = []
+    for alias, cursor in _postgresql_cursors(databases):
+        if broker.may_vacuum(cursor, OrmQ._meta.db_table) is not False:
+            continue  # it may, or the table is not there yet (the check runs before the migrations)
+        found.append(checks.Warning(
+            f"the database role of {alias!r} may not vacuum {OrmQ._meta.db_table}: under a steady load its dead "
+            "rows pile up between autovacuum's passes, and every claim of a due task reads them",
+            hint=f"Run the workers as the role that owns {OrmQ._meta.db_table} (the one that ran the migrations), "
+                 "or make their role a member of it.", id="longhaul.W004"))
+    return found
+
+
+def _postgresql_cursors(databases: Any) -> Iterator[tuple[str, Any]]:
+    """A cursor on each PostgreSQL database a database check was asked to read (none unless asked)."""
+    from django.db import connections
+
+    for alias in databases or ():
+        connection = connections[alias]
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                yield alias, cursor

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import connection, transaction
 from django_q.models import OrmQ
 
-from tasks import broker, clock
+from tasks import broker, checks, clock
 
 pytestmark = [pytest.mark.django_db(transaction=True),  # VACUUM cannot run inside a transaction
               pytest.mark.skipif("connection.vendor != 'postgresql'", reason="SQLite has no VACUUM of a table")]
@@ -58,3 +58,39 @@ def test_an_acknowledgement_inside_a_transaction_deletes_its_message_and_vacuums
     assert vacuums() == before, "VACUUM cannot run in a transaction: that acknowledgement skips it"
     acknowledge(monitor, 1)
     assert vacuums() == before + 1
+
+
+def superuser() -> bool:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+        return cursor.fetchone()[0]
+
+
+def test_the_role_that_ran_the_migrations_may_vacuum_the_table_and_the_check_says_nothing():
+    with connection.cursor() as cursor:
+        assert broker.may_vacuum(cursor, OrmQ._meta.db_table)
+    assert checks.broker_table_vacuumed(databases=["default"]) == []
+    assert checks.broker_table_vacuumed(databases=None) == []  # not asked for a database: reads none
+
+
+def test_a_table_not_there_yet_is_no_answer_not_an_error():
+    # `manage.py migrate` runs the database checks before it creates the tables.
+    with connection.cursor() as cursor:
+        assert broker.may_vacuum(cursor, "no_such_table") is None
+
+
+def test_a_role_that_may_not_vacuum_the_table_is_told_once_and_vacuums_nothing(monitor, monkeypatch, caplog):
+    if superuser():
+        pytest.skip("a superuser may vacuum every table")
+    # pg_database is shared by every database: only a superuser may vacuum it, not this database's owner.
+    with connection.cursor() as cursor:
+        assert not broker.may_vacuum(cursor, "pg_database")
+    asked = broker.may_vacuum
+    monkeypatch.setattr(broker, "may_vacuum", lambda cursor, table: asked(cursor, "pg_database"))
+    before = vacuums()
+
+    acknowledge(monitor, 2 * broker.VACUUM_EVERY)
+    assert vacuums() == before
+    told = (f"broker: the database role may not vacuum {OrmQ._meta.db_table}, which is left to autovacuum "
+            "(manage.py check --database default: longhaul.W004)")
+    assert [r.getMessage() for r in caplog.records if "may not vacuum" in r.getMessage()] == [told]
