@@ -360,6 +360,18 @@ def pipeline_waits(ids: list[int], *, cap: int, window: tuple[float, float] | No
     }
 
 
+def cluster_env(fake: TrackingFake, site_url: str | None, *, max_running: int, turns: int = 1) -> dict[str, str]:
+    """The task cluster's environment: the fake as its model, each pool at POOL_CONCURRENCY, and search and visit
+    against the loopback site (the offline corpus without one)."""
+    env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
+           "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": str(POOL_CONCURRENCY),
+           "LONGHAUL_TOOL_CONCURRENCY": str(POOL_CONCURRENCY),
+           "LONGHAUL_MAX_RUNNING": str(max_running), "LONGHAUL_GATEWAY_TURNS": str(turns)}
+    if site_url is not None:
+        env |= {"LONGHAUL_SEARCH_URL": f"{site_url}/search", "LONGHAUL_ALLOW_PRIVATE_FETCH": "1"}
+    return env
+
+
 def gateway_cap(turns: int) -> int:
     """The calls the gateway keeps out at most: each job holding a turn keeps up to job_cap()."""
     return job_cap() * turns
@@ -562,12 +574,7 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
             fake_answers = fake_answers or answers  # the first: every request out at once
             baseline.append([label, fake.max_in_flight, "-", f"{tasks / seconds:.0f} calls/s"])
         visit_answers = asyncio.run(bare_visits(site.url, POOL_CONCURRENCY)) if site is not None else []
-        env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
-               "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": str(POOL_CONCURRENCY),
-               "LONGHAUL_TOOL_CONCURRENCY": str(POOL_CONCURRENCY),
-               "LONGHAUL_MAX_RUNNING": str(tasks + 10), "LONGHAUL_GATEWAY_TURNS": str(turns)}
-        if site is not None:
-            env |= {"LONGHAUL_SEARCH_URL": f"{site.url}/search", "LONGHAUL_ALLOW_PRIVATE_FETCH": "1"}
+        env = cluster_env(fake, site.url if site is not None else None, max_running=tasks + 10, turns=turns)
         with h.override(LONGHAUL_MAX_RUNNING=tasks + 10, **{k: v for k, v in env.items()
                                                              if k.startswith("LONGHAUL_MODEL")}):
             done = [one_round(fake, env, tasks=tasks, workers=workers, timeout=timeout, start=start, turns=turns)
@@ -655,8 +662,9 @@ def run(*, tasks: int = 200, delay: float = 2.0, workers: int = 2, timeout: floa
         + f"\n\nThe task cluster's processes, the gateway's included, used {per_step_ms:.1f} ms of CPU per step "
         f"committed ({steps} steps, and the {calls_made:,} calls they asked for). "
         f"In the intervals of 0.2 s in which steps committed, the cores were {stepping_busy:.0%} busy on average, "
-        f"and at least {SATURATED:.0%} busy in {saturated} of the {samples} (/proc/stat). Each process's CPU time is read from /proc/<pid>/stat every second; one that "
-        "ended between two reads (a worker django-q2 recycled) loses what it used since the last.")
+        f"and at least {SATURATED:.0%} busy in {saturated} of the {samples} (/proc/stat). Each process's CPU time "
+        "is read from /proc/<pid>/stat every second; one that ended between two reads (a worker django-q2 "
+        "recycled) loses what it used since the last.")
     report.add("Where a task's time goes (milliseconds)", h.table(["interval", "p50", "p90", "p99", "samples"], [
         [name, h.fmt(h.percentile(v, 50), 0), h.fmt(h.percentile(v, 90), 0), h.fmt(h.percentile(v, 99), 0), len(v)]
         for name, v in waits.items()]))

@@ -30,6 +30,7 @@ from inflight import (
     ROLES,
     Sampler,
     TrackingFake,
+    cluster_env,
     gateway_cap,
     pipeline_waits,
     submit_research,
@@ -113,20 +114,18 @@ def one_round(fake: TrackingFake, env: dict[str, str], *, level: int, total: int
 def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, rounds: int = 2, delay: float = 2.0,
         workers: int = 2, timeout: float = 300) -> h.Report:
     h.migrate_if_needed()
-    top = max(levels)
+    levels = tuple(sorted(set(levels)))
+    top = levels[-1]
     report = h.Report(
         "inflight_steady", "Research tasks in flight at a steady level",
         f"bench/inflight.py's research tasks, model fake ({delay:g} s an answer), search site and pages, pools "
         f"({POOL_CONCURRENCY} each) and cluster ({workers} worker processes, one gateway turn), but submitted as a "
         f"service meets them: ramped up over {RAMP_SECONDS:g} s to N in flight, then one submitted as one ends, "
-        f"until 3 N have been. The figures are of the calls requested (and the steps that asked for them) while N "
+        f"until {f'{total} have' if total else '3 N have'} been. The figures are of the calls requested (and the steps that asked for them) while N "
         f"were in flight; N = {', '.join(map(str, levels))}, {rounds} round(s) each, each round with tasks and a "
         f"cluster of its own. The targets are bench/inflight.py's, judged at N = {top} on the median of the rounds.")
     with TrackingFake(delay) as fake, WebSite() as site:
-        env = {"LONGHAUL_MODEL_PROVIDER": "openai", "LONGHAUL_MODEL_BASE_URL": fake.base_url,
-               "LONGHAUL_MODEL": "fake", "LONGHAUL_MODEL_CONCURRENCY": str(POOL_CONCURRENCY),
-               "LONGHAUL_TOOL_CONCURRENCY": str(POOL_CONCURRENCY), "LONGHAUL_MAX_RUNNING": str(top + 10),
-               "LONGHAUL_SEARCH_URL": f"{site.url}/search", "LONGHAUL_ALLOW_PRIVATE_FETCH": "1"}
+        env = cluster_env(fake, site.url, max_running=top + 10)
         with h.override(LONGHAUL_MAX_RUNNING=top + 10, **{k: v for k, v in env.items() if k.startswith("LONGHAUL_MODEL")}):
             done = [one_round(fake, env, level=level, total=total or 3 * level, workers=workers, timeout=timeout)
                     for level in levels for _ in range(rounds)]
@@ -139,7 +138,8 @@ def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, r
           f"{r.finished_per_minute:.0f}", f"{r.cores_busy:.0%}",
           " / ".join(f"{r.cpu[role]:.1f}" for role in (ROLES[0], ROLES[1], ROLES[3], ROLES[4])),
           f"{r.steady_seconds:.0f} s"] for r in done]))
-    judged = [r for r in done if r.level == top]
+    by_level = {level: [r for r in done if r.level == level] for level in levels}
+    judged = by_level[top]
     claims = {kind: median(r.p50(f"{kind} call: requested -> claimed by a gateway job") for r in judged)
               for kind in ("model", "tool")}
     next_step = median(r.p50(INTERVALS[2]) for r in judged)
@@ -152,9 +152,8 @@ def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, r
     report.targets.append(h.Target(
         f"{top} in flight: a step's last answer (the gateway had it) -> its next step committed, "
         f"p50 < {NEXT_STEP_TARGET_MS} ms", f"{next_step:,.0f} ms", next_step < NEXT_STEP_TARGET_MS))
-    by_level = {level: [r for r in done if r.level == level] for level in levels}
     if len(levels) > 1:
-        below = sorted(levels)[-2]
+        below = levels[-2]
         pace = {level: median(r.finished_per_minute for r in rounds_at) for level, rounds_at in by_level.items()}
         cores = {level: median(r.cores_busy for r in rounds_at) for level, rounds_at in by_level.items()}
         report.notes.append(
