@@ -198,6 +198,23 @@ def autovacuum_setting() -> str:
         return cursor.fetchone()[0]
 
 
+REFERENCE_LOOP_ITERATIONS = 1_000_000
+
+
+def reference_loop_ms(repeats: int = 5) -> float:
+    """How fast this machine's core runs Python now: the least of `repeats` timings of one fixed loop, in
+    milliseconds. The same code's figures move with it (a shared machine's neighbours, a slower host), so each
+    report gives it at its start and its end: figures from two runs compare only as far as these do."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        total = 0
+        for i in range(REFERENCE_LOOP_ITERATIONS):
+            total += i * i
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
+
+
 def machine_line() -> str:
     m = machine()
     return (f"{m['date']}; {m['cores']} cores ({m['usable cores']} usable); load {m['load average']}; "
@@ -258,6 +275,8 @@ class Report:
     targets: list[Target] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     database_started: str = field(default_factory=lambda: postmaster_started())
+    reference_at_start: float = field(default_factory=reference_loop_ms)
+    reference_at_end: float | None = None  # taken when the report is first written out, as its run ends
 
     def __post_init__(self) -> None:
         others = other_sessions()
@@ -274,7 +293,12 @@ class Report:
                                  "machine?): the figures are not reliable; run it again.")
             self.database_started = postmaster_started()
         h = "#" * level
-        out = [f"{h} {self.title}", "", f"Measured {self.machine}.", "", self.what, ""]
+        if self.reference_at_end is None:
+            self.reference_at_end = reference_loop_ms()
+        speed = (f"A reference Python loop ({REFERENCE_LOOP_ITERATIONS:,} iterations, bench/_harness.py) took "
+                 f"{self.reference_at_start:.0f} ms at the start and {self.reference_at_end:.0f} ms at the end: "
+                 "the fewer, the faster the machine ran.")
+        out = [f"{h} {self.title}", "", f"Measured {self.machine}. {speed}", "", self.what, ""]
         for heading, body in self.sections:
             out += [f"{h}# {heading}", "", body.rstrip(), ""]
         if self.targets:

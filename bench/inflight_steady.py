@@ -84,8 +84,11 @@ def one_round(fake: TrackingFake, env: dict[str, str], *, level: int, total: int
                     if reached is None and running >= level:
                         reached = time.time()
                     allowed = min(level, math.ceil((time.monotonic() - started) / RAMP_SECONDS * level))
-                    if running < allowed:
-                        more, _ = submit_research(scope, min(allowed - running, total - len(ids)))
+                    for _ in range(min(allowed - running, total - len(ids))):
+                        # One task a transaction, as the API submits them: a batch in one transaction would hold
+                        # the admission lock (scheduling.admit) from its first task to its commit, and the workers
+                        # ending tasks, which admit too, would wait that long.
+                        more, _ = submit_research(scope, 1)
                         ids += more
                     time.sleep(LOOK_EVERY)
                 last_submitted = time.time()
@@ -132,7 +135,7 @@ def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, r
     report.add("Rounds", h.table(
         ["in flight", "model call requested -> claimed, p50 ms", "tool call requested -> claimed, p50 ms",
          "last answer -> next step committed, p50 / p90 ms", "tasks finished per minute", "cores busy",
-         "CPU s: gateway's worker / other workers / PostgreSQL / fakes", "steady for"],
+         "CPU s: gateway's worker / other workers / PostgreSQL / this process (submissions, fakes)", "steady for"],
         [[r.level, h.fmt(r.p50(INTERVALS[0]), 0), h.fmt(r.p50(INTERVALS[1]), 0),
           f"{h.fmt(r.p50(INTERVALS[2]), 0)} / {h.fmt(h.percentile(r.waits[INTERVALS[2]], 90), 0)}",
           f"{r.finished_per_minute:.0f}", f"{r.cores_busy:.0%}",
@@ -163,8 +166,9 @@ def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, r
             "the tasks, the machine has no more to give them, and each step waits for the ones before it.")
     report.notes.append(
         "Cores busy is /proc/stat's, every 0.2 s from the first model call out to the end; the CPU seconds are "
-        "each process's, over the same time (bench/inflight.py's parts). The fakes, which stand for other machines, "
-        "share this machine's 2 cores with the cluster and PostgreSQL.")
+        "each process's, over the same time (bench/inflight.py's parts). This benchmark's process submits the tasks, "
+        "as the web service would, and runs the fakes, which stand for other machines: both share this machine's "
+        "2 cores with the cluster and PostgreSQL.")
     return report
 
 
