@@ -60,7 +60,7 @@ from tasks.drain import draining
 from tasks.drivers import OpRequest
 from tasks.errors import InternalError, InvalidInput, RateLimited, StepError, StepTimeout
 from tasks.events import NewEvent
-from tasks.models import Checkpoint, Operation, Pool, Task, Tenant
+from tasks.models import Checkpoint, Operation, Pool, Task
 from tasks.statuses import TERMINAL, OperationStatus, TaskStatus
 
 if TYPE_CHECKING:
@@ -381,13 +381,13 @@ def _at_task_cap(now: datetime, cap: int):
 
 @compiled_once
 def _ranked_candidates(*, pool: str, now: datetime, limit: int, cap: int) -> QuerySet:
-    """_candidates' rows: (call, task, tenant)."""
+    """_candidates' rows: (call, task, tenant, the tenant's weight)."""
     ranked = (_runnable(pool, now).exclude(task_id__in=_at_task_cap(now, cap)).annotate(
         nth=Window(RowNumber(), partition_by=[F("task_id")], order_by=F("id").asc()),
         # Per tenant too: a tenant with a thousand due calls must not hide another tenant's one.
         nth_of_tenant=Window(RowNumber(), partition_by=[F("task__tenant_id")], order_by=F("id").asc())))
     return (ranked.filter(nth__lte=cap, nth_of_tenant__lte=limit).order_by("id")
-            .values_list("pk", "task_id", "task__tenant_id")[:CANDIDATES_AT_MOST])
+            .values_list("pk", "task_id", "task__tenant_id", "task__tenant__weight")[:CANDIDATES_AT_MOST])
 
 
 def _candidates(pool: str, now: datetime, *, limit: int) -> list[pools.Candidate]:
@@ -395,7 +395,7 @@ def _candidates(pool: str, now: datetime, *, limit: int) -> list[pools.Candidate
     task's cap from any one task, none from a task already at it (so a task's or a tenant's thousand calls
     cannot hide another's one)."""
     rows = _ranked_candidates(pool=pool, now=now, limit=limit, cap=settings.LONGHAUL_TASK_CALLS_IN_FLIGHT)
-    return [pools.Candidate(op_id, task_id, tenant_id) for op_id, task_id, tenant_id in rows]
+    return [pools.Candidate(*row) for row in rows]
 
 
 def _choose(pool: str, room: int, now: datetime, *, tenant_busy: Counter[int]) -> list[pools.Candidate]:
@@ -405,10 +405,9 @@ def _choose(pool: str, room: int, now: datetime, *, tenant_busy: Counter[int]) -
     if not candidates:
         return []
     task_ids = {c.task_id for c in candidates}
-    tenant_ids = {c.tenant_id for c in candidates}
     out_per_task = Counter(dict(_live(now).filter(task_id__in=task_ids).order_by().values("task_id")
                                 .annotate(n=Count("*")).values_list("task_id", "n")))
-    weights = dict(Tenant.objects.filter(pk__in=tenant_ids).values_list("pk", "weight"))
+    weights = {c.tenant_id: c.weight for c in candidates}
     task_room = {t: settings.LONGHAUL_TASK_CALLS_IN_FLIGHT - out_per_task[t] for t in task_ids}
     return pools.choose(candidates, room=room, tenant_busy=tenant_busy, task_room=task_room, weights=weights)
 
@@ -504,42 +503,49 @@ def _claim(*, owner: str, limit: int, now: datetime) -> tuple[list[Operation], b
     claimed: list[Operation] = []
     keys = _pools_with_due_work(now)
     anything_due = bool(keys)
-    while keys and len(claimed) < limit:
-        may_have_more = []
-        for position, key in enumerate(keys):
-            left = limit - len(claimed)
-            if left <= 0:
-                break
-            share = -(-left // (len(keys) - position))
-            rows = _claim_from_pool(key, owner=owner, at_most=share, now=now)
-            claimed.extend(rows)
-            if len(rows) == share:
-                may_have_more.append(key)
-        keys = may_have_more  # each of them took at least one: the passes end
+    if not keys:
+        return claimed, anything_due
+    # Every pool's part in one transaction: one that fails part-way (a timeout, the connection lost) starts
+    # nothing. Committed pool by pool, the calls of the pools before were left started under a job that never
+    # ran them, until their lease ran out; one that must not run twice was then failed as lost (settle_lost_calls).
+    with transaction.atomic():
+        _lock_claims()
+        while keys and len(claimed) < limit:
+            may_have_more = []
+            for position, key in enumerate(keys):
+                left = limit - len(claimed)
+                if left <= 0:
+                    break
+                share = -(-left // (len(keys) - position))
+                rows = _claim_from_pool(key, owner=owner, at_most=share, now=now)
+                claimed.extend(rows)
+                if len(rows) == share:
+                    may_have_more.append(key)
+            keys = may_have_more  # each of them took at least one: the passes end
     return claimed, anything_due
 
 
 def _claim_from_pool(key: str, *, owner: str, at_most: int, now: datetime) -> list[Operation]:
-    """Up to `at_most` of the pool's due calls, within its room, started under `owner`'s lease."""
+    """Up to `at_most` of the pool's due calls, within its room, started under `owner`'s lease (in the claim's
+    transaction, which holds the claims' lock)."""
+    assert connection.in_atomic_block, "a pool's part of a claim commits with the claim"
     lease = timedelta(seconds=settings.LONGHAUL_OPERATION_LEASE_SECONDS)
-    with transaction.atomic():
-        _lock_claims()
-        pool = pools.state(key, now=now)
-        busy = _busy_by_tenant(key, now)
-        room = min(_room(pool, now, in_flight=sum(busy.values())), at_most)
-        if room <= 0:
-            return []
-        chosen = [c.op_id for c in _choose(key, room, now, tenant_busy=busy)]
-        rows = list(Operation.objects.select_for_update(skip_locked=True, of=("self",))
-                    .filter(_due(now), pk__in=chosen).order_by("id"))
-        # The rows are locked: one UPDATE starts them all.
-        Operation.objects.filter(pk__in=[op.pk for op in rows]).update(
-            status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
-            attempts=F("attempts") + 1, started_at=now)
-        for op in rows:
-            op.status, op.lease_owner, op.attempts, op.started_at = OperationStatus.STARTED, owner, op.attempts + 1, now
-        pools.spend_requests(pool, len(rows))
-        return rows
+    pool = pools.state(key, now=now)
+    busy = _busy_by_tenant(key, now)
+    room = min(_room(pool, now, in_flight=sum(busy.values())), at_most)
+    if room <= 0:
+        return []
+    chosen = [c.op_id for c in _choose(key, room, now, tenant_busy=busy)]
+    rows = list(Operation.objects.select_for_update(skip_locked=True, of=("self",))
+                .filter(_due(now), pk__in=chosen).order_by("id"))
+    # The rows are locked: one UPDATE starts them all.
+    Operation.objects.filter(pk__in=[op.pk for op in rows]).update(
+        status=OperationStatus.STARTED, lease_owner=owner, lease_expires_at=now + lease,
+        attempts=F("attempts") + 1, started_at=now)
+    for op in rows:
+        op.status, op.lease_owner, op.attempts, op.started_at = OperationStatus.STARTED, owner, op.attempts + 1, now
+    pools.spend_requests(pool, len(rows))
+    return rows
 
 
 def waiting_on_pool(key: str, *, limit: int) -> list[int]:

@@ -59,6 +59,7 @@ class Candidate:
     op_id: int
     task_id: int
     tenant_id: int
+    weight: int = 1  # its tenant's, read with it
 
 
 def key_of(kind: str, name: str, args: Any) -> str:

@@ -278,6 +278,29 @@ def test_jobs_claiming_two_pools_at_once_keep_a_task_within_its_cap_over_all_poo
     assert Operation.objects.filter(task=task, status=OperationStatus.STARTED).count() == 2
 
 
+def test_a_claim_that_fails_in_one_pool_starts_no_call_of_another(acme, alice, other_session):
+    """A claim of calls from two pools is one transaction: when its second pool's part fails (here that pool's row
+    stays locked past the claim's lock_timeout, as an operator's timeout may stop any statement), the first pool's
+    calls stay pending. Committed on their own, they were started under a job that never ran them, found again only
+    once their lease ran out, and then one that must not run twice was failed as lost, though it never ran."""
+    search = call(waiting_for_tools(acme, alice), 0)
+    visit = call(waiting_for_tools(acme, alice), 0, name="visit", args={"url": "https://example.org/"})
+    Pool.objects.create(key=visit.pool)
+    assert operations._pools_with_due_work(clock.now()) == [search.pool, visit.pool], "the search's pool first"
+    with other_session.transaction():
+        other_session.execute("SELECT 1 FROM tasks_pool WHERE key = %s FOR UPDATE", [visit.pool])
+        with connection.cursor() as cursor:
+            cursor.execute("SET lock_timeout = '200ms'")
+        try:
+            with pytest.raises(Exception, match="lock timeout"):
+                operations.claim_batch(owner="gw:1", limit=10, now=clock.now())
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET lock_timeout")
+    assert Operation.objects.get(pk=search.pk).status == OperationStatus.PENDING
+    assert [op.pk for op in operations.claim_batch(owner="gw:2", limit=10, now=clock.now())] == [search.pk, visit.pk]
+
+
 def test_with_two_turns_a_job_with_nothing_to_do_keeps_its_turn_and_claims_what_is_asked_for_next(
         acme, alice, settings):
     """Given back, its turn would be free, and each step asking for calls would kick a job to take it."""
