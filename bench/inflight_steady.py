@@ -160,8 +160,8 @@ def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, r
         pace = {level: median(r.finished_per_minute for r in rounds_at) for level, rounds_at in by_level.items()}
         cores = {level: median(r.cores_busy for r in rounds_at) for level, rounds_at in by_level.items()}
         report.notes.append(
-            f"From {below} to {top} in flight the tasks finished per minute grew {pace[top] / pace[below]:.2f}x "
-            f"({pace[below]:.0f} -> {pace[top]:.0f}) for {top / below:.2f}x the tasks, with the cores "
+            f"From {below} to {top} in flight the tasks finished per minute went {pace[below]:.0f} -> {pace[top]:.0f} "
+            f"({pace[top] / pace[below]:.2f}x) for {top / below:.2f}x the tasks, with the cores "
             f"{cores[below]:.0%} -> {cores[top]:.0%} busy (medians of the rounds): where the pace stops growing with "
             "the tasks, the machine has no more to give them, and each step waits for the ones before it.")
     report.notes.append(
