@@ -1178,8 +1178,8 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                     holding = False
                     stopped_claiming()
                     await listener.stop()
+                    await _on_claims_thread(claims, kick_if_claimable)
                     await claims.close()
-                    await sync_to_async(kick_if_claimable)()
                 room = cap - calls_out()
                 batch, anything_due = [], True
                 if room > 0 and claiming:
@@ -1229,7 +1229,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
             await listener.stop()
             await recorder.closed()
             if not in_flight:
-                await sync_to_async(watchdog.withdraw)()  # every call it claimed is recorded
+                await _on_claims_thread(claims, watchdog.withdraw)  # every call it claimed is recorded
         finally:
             try:
                 if holding:
@@ -1237,7 +1237,7 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                     holding = False
                 stopped_claiming()
                 # Also after a late drain: calls due when the pool was full (of this job's calls) wait for a kick.
-                await sync_to_async(kick_if_claimable)()
+                await _on_claims_thread(claims, kick_if_claimable)
             finally:
                 CALLS_OUT.pop(id(in_flight), None)
                 # This loop's database connections live in the claims' thread, the recorder's (closed with it) and
@@ -1246,6 +1246,20 @@ async def pump(*, owner: str, run_for: float, took_turn: Callable[[], None] = la
                 await claims.close()
                 await sync_to_async(connections.close_all)()
     return ran
+
+
+async def _on_claims_thread(claims: DatabaseThread, fn: Callable[[], T]) -> T:
+    """A job's database work after its claims, on the claims' connection while it is open: on asgiref's thread,
+    whose connection each job closes as it ends, it paid for a new session and its cold caches (an empty job's
+    last look took 18 ms there, 4 on the claims' connection, of the job's 59)."""
+    if claims.closed:
+        return await sync_to_async(fn)()
+    return await claims.run(_usable_then, fn)
+
+
+def _usable_then(fn: Callable[[], T]) -> T:
+    close_old_connections()  # one a failed claim left broken is replaced first, as take_gateway_turn does
+    return fn()
 
 
 # The calls out with each gateway job of this process. The cap (LONGHAUL_GATEWAY_INFLIGHT) and the open files it
@@ -1267,6 +1281,10 @@ class DatabaseThread:
     def __init__(self, name: str) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))

@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import pytest
 from django.db import connection, transaction
+from django.db.backends.signals import connection_created
 from django.utils import timezone
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
@@ -77,6 +78,33 @@ def test_a_job_that_finished_everything_kicks_nobody(acme, alice):
     OrmQ.objects.all().delete()
     assert operations.run_due(run_for=2) == 1
     assert gateway_kicks() == 0
+
+
+def sessions_opened_by(job: Callable[[], T]) -> tuple[T, list[str]]:
+    """What `job` returned, and the threads on which it opened a database session of Django's, by their names'
+    prefixes (gateway-claims, gateway-recorder-0, ...)."""
+    opened: list[str] = []
+
+    def count(**kwargs) -> None:
+        opened.append(threading.current_thread().name.rsplit("_", 1)[0])
+
+    connection_created.connect(count)
+    try:
+        return job(), opened
+    finally:
+        connection_created.disconnect(count)
+
+
+def test_a_jobs_database_work_after_its_claims_opens_no_session_of_its_own(acme, alice):
+    """Its watchdog withdrawn and its last look (kick_if_claimable) on its claims' connection, open and warm: on
+    asgiref's thread, whose connection each job closes as it ends, every job paid for a new session there."""
+    ran, opened = sessions_opened_by(lambda: operations.run_due(run_for=2))
+    assert (ran, opened) == (0, ["gateway-claims"])
+    waiting_for_its_plan(acme, alice)
+    OrmQ.objects.all().delete()
+    ran, opened = sessions_opened_by(lambda: operations.run_due(run_for=2))
+    assert (ran, sorted(opened)) == (1, ["gateway-claims", "gateway-recorder-0"])
+    assert gateway_kicks() == 0  # the last look was taken: it found nothing left
 
 
 def test_a_step_asking_for_calls_while_a_job_has_the_turn_kicks_no_other_job(acme, alice, other_session):
