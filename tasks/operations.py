@@ -1258,7 +1258,10 @@ async def _on_claims_thread(claims: DatabaseThread, fn: Callable[[], T]) -> T:
 
 
 def _usable_then(fn: Callable[[], T]) -> T:
-    close_old_connections()  # one a failed claim left broken is replaced first, as take_gateway_turn does
+    """Run `fn` on the claims' connection, or on a new one if a failed claim left it broken. Never replaced for its age
+    alone (close_old_connections would, past CONN_MAX_AGE): it holds the turn, which lasts until the job gives it back."""
+    if connection.connection is not None and connection.errors_occurred and not connection.is_usable():
+        connection.close()
     return fn()
 
 

@@ -4,6 +4,7 @@ others return at once, and work left over when the claiming job ends is kicked o
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
@@ -105,6 +106,19 @@ def test_a_jobs_database_work_after_its_claims_opens_no_session_of_its_own(acme,
     ran, opened = sessions_opened_by(lambda: operations.run_due(run_for=2))
     assert (ran, sorted(opened)) == (1, ["gateway-claims", "gateway-recorder-0"])
     assert gateway_kicks() == 0  # the last look was taken: it found nothing left
+
+
+def test_a_jobs_work_after_its_claims_keeps_their_session_however_old_while_it_holds_the_turn():
+    """The turn is a lock of the claims' session: replaced for its age (past CONN_MAX_AGE, as close_old_connections
+    does), the session would give the turn back before the job does."""
+    def session() -> int:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_backend_pid()")
+            return cursor.fetchone()[0]
+
+    before = session()
+    connection.close_at = time.monotonic() - 1  # older than CONN_MAX_AGE
+    assert operations._usable_then(session) == before
 
 
 def test_a_step_asking_for_calls_while_a_job_has_the_turn_kicks_no_other_job(acme, alice, other_session):
