@@ -64,8 +64,10 @@ class Lines:
     """A running command whose stdout is read line by line, with a deadline."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        self.popen = subprocess.Popen([str(LONGHAUL), *args], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
+        # PYTHONFAULTHANDLER: a command that outlives its deadline is stopped with SIGABRT, which then writes
+        # where each of its threads was to stderr (finish).
+        self.popen = subprocess.Popen([str(LONGHAUL), *args], env={**env, "PYTHONFAULTHANDLER": "1"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -81,8 +83,13 @@ class Lines:
         return json.loads(line)
 
     def finish(self, timeout: float = 30) -> tuple[int, str]:
-        self.popen.wait(timeout)
         assert self.popen.stderr is not None
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.send_signal(signal.SIGABRT)
+            pytest.fail(f"the command was still running after {timeout:g} s; its stderr, then where its threads "
+                        f"were:\n{self.popen.stderr.read()}")  # read to its end: the process has ended
         return self.popen.returncode, self.popen.stderr.read()
 
 
