@@ -92,4 +92,16 @@ def test_a_dequeue_checks_its_connection_once_however_many_rows_it_takes(monkeyp
         taken = [pk for pk, _ in main.dequeue()]
     assert len(taken) == Conf.BULK and set(taken) <= due
     assert len(checks) == 1, f"one health check for the dequeue, not one more per row ({len(checks)})"
-    assert [q["sql"].split()[0] for q in sent.captured_queries].count("UPDATE") == Conf.BULK
+    assert [q["sql"].split()[0] for q in sent.captured_queries].count("UPDATE") == 1, "one UPDATE takes them all"
+
+
+@pytest.mark.smoke
+def test_a_dequeue_takes_no_row_another_cluster_took_since_it_was_read():
+    """Two clusters may read the same due rows: the one whose UPDATE comes second finds their locks moved on."""
+    first, second = kicks.kick("advance", 1), kicks.kick("advance", 2)
+    read = dict(OrmQ.objects.filter(pk__in=[first, second]).values_list("pk", "lock"))
+    until = clock.now() + timedelta(minutes=1)
+    assert broker._take([(first, read[first])], until=until) == {first}, "the other cluster takes the first"
+
+    assert broker._take(list(read.items()), until=until + timedelta(seconds=1)) == {second}
+    assert OrmQ.objects.get(pk=first).lock == until, "the first keeps the lock the other cluster gave it"
