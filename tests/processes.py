@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +20,11 @@ from urllib.parse import quote
 from django.db import connection
 
 ROOT = Path(__file__).resolve().parent.parent
+# util-linux's setpriv starts a child that Linux sends SIGTERM once the process that started it has died (it then
+# execs the child's own program, same pid): a test session or a benchmark killed outright (SIGKILL, an OOM kill,
+# a second Ctrl-C) runs no `finally` to stop its clusters and daphnes, which then ran on, holding the test database
+# (the next session could not drop it: "being accessed by other users") and the machine's cores.
+SETPRIV = shutil.which("setpriv")
 
 
 def test_database_url() -> str:
@@ -58,8 +64,9 @@ class Process:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
-        self.popen = subprocess.Popen(args, cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+        ends_with_us = [SETPRIV, "--pdeathsig", "TERM"] if SETPRIV else []
+        self.popen = subprocess.Popen([*ends_with_us, *args], cwd=ROOT, env=env, stdout=self._log,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     @property
     def pid(self) -> int:
