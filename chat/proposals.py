@@ -156,4 +156,4 @@ def _carry_out(proposal: Proposal) -> tools.ToolReply:
 def _wake(thread: Thread) -> None:
     from tasks.events import wake_group
 
-    transaction.on_commit(lambda: wake_group(thread_group(thread.public_id)))
+    transaction.on_commit(lambda: wake_group(thread_group(thread.pk)))

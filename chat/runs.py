@@ -204,6 +204,7 @@ def kick_stale(now: datetime) -> int:
 
 
 def _wake_thread(thread: Thread) -> None:
+    from chat.streams import thread_group
     from tasks.events import wake_group
 
-    transaction.on_commit(lambda: wake_group(f"thread-{thread.public_id}"))
+    transaction.on_commit(lambda: wake_group(thread_group(thread.pk)))

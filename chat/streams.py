@@ -28,13 +28,15 @@ STATUS_CHANGE_KINDS = frozenset({
 })
 
 
-def thread_group(public_id: object) -> str:
-    return f"thread-{public_id}"
+def thread_group(thread_pk: int) -> str:
+    """The channel layer's group of a thread's stream, named after its row: a task names it from its own row (its
+    thread_id), where a public id would read the thread's row at every commit of the task's events."""
+    return f"thread-{thread_pk}"
 
 
 def thread_group_of(task: Task) -> str | None:
     """The group of the task's thread, woken with the task's events (tasks.events.also_wake)."""
-    return thread_group(task.thread.public_id) if task.thread_id else None
+    return thread_group(task.thread_id) if task.thread_id else None
 
 
 def _moved(thread_pk: int, marks: dict[str, int]) -> dict[str, int]:
@@ -103,7 +105,7 @@ class ThreadStream:
 
     @property
     def group(self) -> str:
-        return thread_group(self.public_id)
+        return thread_group(self.thread_pk)
 
     def initial_end(self, cursor: int) -> Message | None:
         return None  # a thread does not end

@@ -21,6 +21,7 @@ from django.test.utils import CaptureQueriesContext
 from django_q.models import OrmQ
 from django_q.signing import SignedPackage
 
+from chat.models import Thread
 from tasks import clock, kicks, leases, operations, pools, requested, transitions
 from tasks.drivers import OpRequest
 from tasks.errors import InternalError
@@ -152,6 +153,23 @@ def test_a_batch_sends_as_many_statements_for_twenty_outcomes_as_for_one(acme, a
     stored = dict(Operation.objects.filter(pk__in=[op.pk for op in twenty]).values_list("pk", "result"))
     assert stored == {op.pk: {"results": [n]} for n, op in enumerate(twenty)}, "each its own outcome"
     assert Operation.objects.get(pk=ops[21].pk).status == Op.STARTED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_reads_none_of_the_threads_of_the_tasks_it_moves(acme, alice):
+    """The events of a task started in a chat thread wake that thread's stream too (chat.streams.thread_group_of):
+    the group is named after the thread's row, which the task holds, not after anything read from the thread."""
+    tasks = [make_task(acme, alice, status=TaskStatus.WAITING_TOOL, next_run_at=None, current_step=1,
+                       thread=Thread.objects.create(tenant=acme, owner=alice, title=f"thread {n}")) for n in range(3)]
+    ops = [call(task, 0) for task in tasks]
+    assert len(operations.claim_batch(owner=OWNER, limit=100, now=clock.now())) == 3
+    tasks = list(Task.objects.filter(pk__in=[task.pk for task in tasks]))  # as a recorder finds them: fresh rows
+
+    with CaptureQueriesContext(connection) as sent:
+        assert operations.record_many([outcome(op) for op in ops], owner=OWNER) == [True] * 3
+    threads = Thread._meta.db_table
+    assert not [q["sql"] for q in sent.captured_queries if f'FROM "{threads}"' in q["sql"]]
+    assert made_due() == sorted(task.pk for task in tasks), "each moved on, its event written"
 
 
 def record_one_then_ten(one: Operation, ten: list[Operation]) -> tuple[list[str], list[str]]:

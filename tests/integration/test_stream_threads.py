@@ -60,7 +60,7 @@ async def test_it_follows_the_thread_on_a_wakeup(acme, alice, alice_cookie, thre
     cursor = (await frame(comm))["seq"]
     comm2 = await connected(stream(thread_path(thread, after=cursor), alice_cookie))
     await database_sync_to_async(append_events)(task, 1, kind="paused", status=TaskStatus.PAUSED)
-    group = thread_group(thread.public_id)
+    group = thread_group(thread.pk)
     await get_channel_layer().group_send(group, {"type": "task.wakeup", "group": group})
     live, resumed = await frame(comm), await frame(comm2)
     await comm.disconnect()
