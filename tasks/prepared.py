@@ -16,6 +16,11 @@ They are written with Django's %s placeholders and sent with PostgreSQL's own ($
 once per statement (`numbered`): psycopg reads the text of a statement for its placeholders at every
 execute once it is longer than 4,096 bytes or has more than 50 parameters, and the claim (6.8 kB) and
 a step's commit are.
+
+A batch's statement, whose text changes with its rows' count (a VALUES row each), is sent the same way but
+not prepared (`rowcount`): prepared, it would be kept once per count. Through Django's cursor, psycopg read
+a recorder's UPDATE of 50 calls (460 parameters) for its placeholders at every execute: 1.5 to 3.1 ms of
+CPU a statement here, against 0.44 ms numbered once.
 """
 
 from __future__ import annotations
@@ -34,6 +39,20 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 # left at None, psycopg neither counts nor keeps Django's own statements (the text of each, values included).
 _ONLY_WHEN_ASKED = 2**31 - 1
 _RESULT_CHANGED = "cached plan must not change result type"
+
+
+class _NumberedCursor(psycopg.RawCursor):
+    """Server-side binding, unprepared; the statement is sent as `numbered` writes it, which psycopg's raw
+    cursor passes on as it is."""
+
+    def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
+                binary: bool | None = None) -> _NumberedCursor:
+        sql, placeholders = numbered(query)
+        if len(params or ()) != placeholders:
+            # psycopg's raw cursor counts nothing, and PostgreSQL takes typed values past the last one.
+            raise psycopg.ProgrammingError(f"the statement has {placeholders} placeholders but "
+                                           f"{len(params or ())} parameters were passed")
+        return super().execute(sql, params, prepare=False, binary=binary)
 
 
 class _PreparingCursor(psycopg.RawCursor):
@@ -57,7 +76,9 @@ class _PreparingCursor(psycopg.RawCursor):
 _PLACEHOLDER = re.compile(r"%(.)", re.DOTALL)
 
 
-@lru_cache(maxsize=128)  # the claims, the probe and the shapes of a step's commit (its rows' counts)
+# The claims, the probe, the shapes of a step's commit (its rows' counts), and of a recorder's batch (its calls' and
+# its tasks' counts, 50 at most each).
+@lru_cache(maxsize=256)
 def numbered(sql: str) -> tuple[str, int]:
     """`sql`, written with Django's %s placeholders (and %% for a %), with PostgreSQL's $1, $2, ... instead;
     and how many placeholders it has."""
@@ -101,20 +122,34 @@ def execute(sql: str, params: Sequence[Any]) -> None:
         cursor.execute(sql, params)
 
 
+def rowcount(sql: str, params: Sequence[Any]) -> int:
+    """`sql` numbered and bound on the server, not prepared (PostgreSQL only); the rows it changed."""
+    with _cursor(_NumberedCursor) as cursor:
+        cursor.execute(sql, params)
+        return cursor.rowcount
+
+
+def fetchall(sql: str, params: Sequence[Any]) -> list[tuple]:
+    """`sql` numbered and bound on the server, not prepared (PostgreSQL only); its rows."""
+    with _cursor(_NumberedCursor) as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
+
+
 def _fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
     with _cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.fetchone()
 
 
-def _cursor() -> CursorWrapper:
+def _cursor(kind: type[psycopg.RawCursor] = _PreparingCursor) -> CursorWrapper:
     """Made as Django makes its own (BaseDatabaseWrapper._cursor): the health check a job's start asked for
     (CONN_HEALTH_CHECKS), then through Django's cursor wrapper, so the query log, execute wrappers and error
     translation see these statements as any other."""
-    assert connection.vendor == "postgresql", "prepared statements are PostgreSQL's"
+    assert connection.vendor == "postgresql", "numbered placeholders are PostgreSQL's"
     connection.close_if_health_check_failed()
     connection.ensure_connection()
     connection.validate_thread_sharing()
     with connection.wrap_database_errors:
-        raw = _PreparingCursor(connection.connection)
+        raw = kind(connection.connection)
     return _LoggedCursor(raw, connection) if connection.queries_logged else connection.make_cursor(raw)

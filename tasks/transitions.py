@@ -628,9 +628,7 @@ def _move_telling_each(tasks: list[Task], to: TaskStatus, event: NewEvent, *, no
            f"SELECT {', '.join(f'e.{name}' for name in names)}, moved.{seq} FROM moved "
            f"JOIN (VALUES {rows}) AS e(task_id, {', '.join(names)}) ON e.task_id = moved.{qn('id')}) "
            f"SELECT {qn('id')}, {seq} FROM moved")
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        won = dict(cursor.fetchall())
+    won = dict(prepared.fetchall(sql, params))  # numbered: a wave's statement has hundreds of parameters
     moved = _as_moved(tasks, won, values)
     for task in moved:
         logged[task.pk].seq = won[task.pk]

@@ -16,6 +16,8 @@ from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import CharField, Field, Model
 
+from tasks import prepared
+
 
 def database() -> BaseDatabaseWrapper:
     """The default database itself, for preparing many values: `connection` is a proxy that looks the database up
@@ -64,9 +66,10 @@ def insert_params(model: type[Model], fields: Sequence[Field], rows: Sequence[Mo
 
 
 def update_each(model: type[Model], rows: Sequence[tuple[Any, dict[str, Any]]]) -> int:
-    """Give each row (by primary key) its own values in one UPDATE ... FROM (VALUES ...); returns the rows
-    changed. Every row sets the same fields; values are prepared as update() prepares them (a sealed field's
-    value comes as sealed.Sealed, as update() requires)."""
+    """Give each row (by primary key) its own values in one UPDATE ... FROM (VALUES ...) (PostgreSQL); returns
+    the rows changed. Every row sets the same fields; values are prepared as update() prepares them (a sealed
+    field's value comes as sealed.Sealed, as update() requires). Sent numbered (prepared.rowcount): a batch's
+    statement has hundreds of parameters."""
     if not rows:
         return 0
     names = list(rows[0][1])
@@ -85,6 +88,4 @@ def update_each(model: type[Model], rows: Sequence[tuple[Any, dict[str, Any]]]) 
     sql = (f"UPDATE {table} SET {', '.join(f'{column} = v.{column}' for column in columns[1:])} "
            f"FROM (VALUES {', '.join([row] * len(rows))}) AS v({', '.join(columns)}) "
            f"WHERE {table}.{columns[0]} = v.{columns[0]}")
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
-        return cursor.rowcount
+    return prepared.rowcount(sql, params)

@@ -408,6 +408,18 @@ def test_a_prepared_statement_given_more_values_than_placeholders_is_refused_bef
     assert prepared.fetchone("SELECT %s::int", [1]) == (1,)
 
 
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="numbered placeholders are PostgreSQL's")
+def test_a_batch_statement_sent_numbered_is_refused_for_a_wrong_count_of_values_and_answers_as_written():
+    """A batch's statement (prepared.fetchall, prepared.rowcount): written with Django's placeholders, sent with
+    PostgreSQL's own."""
+    with pytest.raises(DatabaseError, match="the statement has 2 placeholders but 1 parameters"):
+        prepared.fetchall("SELECT %s::int, %s::int", [1])
+
+    rows = prepared.fetchall("SELECT n FROM unnest(%s::int[]) AS t(n) WHERE %s LIKE 'a%%'", [[1, 2], "ab"])
+    assert rows == [(1,), (2,)]
+    assert prepared.rowcount("SELECT n FROM unnest(%s::int[]) AS t(n)", [[1, 2, 3]]) == 3
+
+
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
 def test_the_claimed_task_is_its_row_as_a_read_of_it_would_be(acme, alice, settings):
     settings.LONGHAUL_STEP_SLICE_MS = 0
