@@ -47,12 +47,7 @@ class _NumberedCursor(psycopg.RawCursor):
 
     def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                 binary: bool | None = None) -> _NumberedCursor:
-        sql, placeholders = numbered(query)
-        if len(params or ()) != placeholders:
-            # psycopg's raw cursor counts nothing, and PostgreSQL takes typed values past the last one.
-            raise psycopg.ProgrammingError(f"the statement has {placeholders} placeholders but "
-                                           f"{len(params or ())} parameters were passed")
-        return super().execute(sql, params, prepare=False, binary=binary)
+        return super().execute(_numbered_for(query, params), params, prepare=False, binary=binary)
 
 
 class _PreparingCursor(psycopg.RawCursor):
@@ -61,16 +56,22 @@ class _PreparingCursor(psycopg.RawCursor):
 
     def execute(self, query: Any, params: Any = None, *, prepare: bool | None = None,
                 binary: bool | None = None) -> _PreparingCursor:
-        sql, placeholders = numbered(query)
-        if len(params or ()) != placeholders:
-            # psycopg's raw cursor counts nothing, and PostgreSQL takes typed values past the last one.
-            raise psycopg.ProgrammingError(f"the statement has {placeholders} placeholders but "
-                                           f"{len(params or ())} parameters were passed")
+        sql = _numbered_for(query, params)
         threshold, self.connection.prepare_threshold = self.connection.prepare_threshold, _ONLY_WHEN_ASKED
         try:
             return super().execute(sql, params, prepare=True, binary=binary)
         finally:
             self.connection.prepare_threshold = threshold
+
+
+def _numbered_for(query: str, params: Any) -> str:
+    """`query` as `numbered` writes it, once its placeholders are as many as `params`: psycopg's raw cursor counts
+    nothing, and PostgreSQL takes typed values past the last one."""
+    sql, placeholders = numbered(query)
+    if len(params or ()) != placeholders:
+        raise psycopg.ProgrammingError(f"the statement has {placeholders} placeholders but "
+                                       f"{len(params or ())} parameters were passed")
+    return sql
 
 
 _PLACEHOLDER = re.compile(r"%(.)", re.DOTALL)
