@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import queue
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -242,7 +243,7 @@ class SyncFollow:
 
         pumping = loop.create_task(pump())
         thread = threading.Thread(target=run, name=f"longhaul-follow-{self.task_id}", daemon=True)
-        thread.start()
+        _start_deaf_to_ctrl_c(thread)
         try:
             while True:
                 kind, value = items.get()
@@ -257,3 +258,18 @@ class SyncFollow:
                 with contextlib.suppress(RuntimeError):  # the loop closed in between: nothing to stop
                     loop.call_soon_threadsafe(pumping.cancel)
                 thread.join(self.settings.timeout)
+
+
+def _start_deaf_to_ctrl_c(thread: threading.Thread) -> None:
+    """Start `thread` blocking SIGINT, as the threads its event loop starts will (a thread is born with its
+    creator's mask): Python runs its Ctrl-C handler on the main thread alone, and the kernel gives a process's
+    signal to any thread that does not block it. Given to this one, a Ctrl-C left the main thread waiting for
+    an event that might never come."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows has no per-thread signal mask
+        thread.start()
+        return
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        thread.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)

@@ -187,6 +187,33 @@ def test_ctrl_c_stops_the_watch_and_leaves_the_task_running(acme, alice, token, 
     assert task.status not in TERMINAL and task.cancel_requested_at is None
 
 
+def blocks_sigint(pid: int, tid: int) -> bool:
+    """Whether thread `tid` of process `pid` blocks SIGINT (its SigBlk mask, /proc)."""
+    status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+    return bool(mask & (1 << (signal.SIGINT - 1)))
+
+
+def test_a_ctrl_c_always_reaches_the_watchs_main_thread(acme, alice, token, home, log_dir):
+    """Python runs its SIGINT handler on the main thread alone, and the kernel gives a process's signal to any of its
+    threads that does not block it: given to the thread that follows the stream, a Ctrl-C left the main thread
+    waiting for an event that might never come (a queued task says nothing for a while). Every other thread of the
+    watch blocks SIGINT, so the kernel gives it to the main thread."""
+    task = submit_sleep(acme, alice, steps=3)
+    with daphne(log_dir) as base:
+        watch = Lines(["watch", str(task.public_id), "--json"],
+                      env={**home, "LONGHAUL_URL": base, "LONGHAUL_TOKEN": token})
+        assert watch.next_json(WAIT)["kind"] == "queued"  # its stream's thread runs
+        pid = watch.popen.pid
+        others = [int(tid) for tid in os.listdir(f"/proc/{pid}/task") if int(tid) != pid]
+        assert others, "the stream is followed on a thread of its own"
+        assert [tid for tid in others if not blocks_sigint(pid, tid)] == []
+        assert not blocks_sigint(pid, pid)
+        watch.popen.send_signal(signal.SIGINT)
+        code, _ = watch.finish()
+    assert code == 130
+
+
 # --- one clear line and a non-zero exit ---------------------------------------------------
 
 def test_it_refuses_a_bad_token_in_one_line(alice, home, log_dir):
