@@ -23,7 +23,6 @@ import contextlib
 import json
 import logging
 import queue
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -44,6 +43,11 @@ log = logging.getLogger("longhaul.follow")
 
 WEBSOCKET, POLLING = "websocket", "polling"
 POLL_PAGE = 1000  # the events endpoint's largest page
+# How often a sync follower's caller wakes while it waits for the next event. Python runs a signal's handler (Ctrl-C's
+# KeyboardInterrupt) on the main thread, between two of its bytecodes: a Ctrl-C that comes as the thread is about to
+# wait, or that the kernel gives to the follower's thread, does not end a wait with no timeout, and a queued task
+# may say nothing for minutes.
+WAKE_EVERY = 0.25
 MAX_FRAME_BYTES = 16 * 2**20  # an event's data is small; a generous cap still bounds memory
 # Sockets that fail while the REST API answers, in a row, before the follower stops trying them.
 MAX_SOCKET_FAILURES = 3
@@ -243,10 +247,13 @@ class SyncFollow:
 
         pumping = loop.create_task(pump())
         thread = threading.Thread(target=run, name=f"longhaul-follow-{self.task_id}", daemon=True)
-        _start_deaf_to_ctrl_c(thread)
+        thread.start()
         try:
             while True:
-                kind, value = items.get()
+                try:
+                    kind, value = items.get(timeout=WAKE_EVERY)
+                except queue.Empty:
+                    continue
                 if kind == "event":
                     yield value
                 elif kind == "error":
@@ -258,18 +265,3 @@ class SyncFollow:
                 with contextlib.suppress(RuntimeError):  # the loop closed in between: nothing to stop
                     loop.call_soon_threadsafe(pumping.cancel)
                 thread.join(self.settings.timeout)
-
-
-def _start_deaf_to_ctrl_c(thread: threading.Thread) -> None:
-    """Start `thread` blocking SIGINT, as the threads its event loop starts will (a thread is born with its
-    creator's mask): Python runs its Ctrl-C handler on the main thread alone, and the kernel gives a process's
-    signal to any thread that does not block it. Given to this one, a Ctrl-C left the main thread waiting for
-    an event that might never come."""
-    if not hasattr(signal, "pthread_sigmask"):  # Windows has no per-thread signal mask
-        thread.start()
-        return
-    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        thread.start()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
