@@ -27,6 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SETPRIV = shutil.which("setpriv")
 
 
+def ending_with_us(args: Sequence[str]) -> list[str]:
+    """`args`, started so that the process ends (SIGTERM) once this one has died (SETPRIV; as they are without it)."""
+    return [SETPRIV, "--pdeathsig", "TERM", *args] if SETPRIV else list(args)
+
+
 def test_database_url() -> str:
     """The URL of the database this test session uses (test_<name>), for child processes."""
     s = connection.settings_dict
@@ -64,8 +69,7 @@ class Process:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = self.log_path.open("wb")
-        ends_with_us = [SETPRIV, "--pdeathsig", "TERM"] if SETPRIV else []
-        self.popen = subprocess.Popen([*ends_with_us, *args], cwd=ROOT, env=env, stdout=self._log,
+        self.popen = subprocess.Popen(ending_with_us(args), cwd=ROOT, env=env, stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
 
     @property

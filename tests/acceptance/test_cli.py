@@ -30,7 +30,7 @@ from longhaul.client import Client, ConnectionFailed
 from tasks.models import Task
 from tasks.statuses import TERMINAL, TaskStatus
 from tests.factories import make_task, submit_sleep
-from tests.processes import daphne, free_port, qcluster
+from tests.processes import daphne, ending_with_us, free_port, qcluster
 
 pytestmark = [pytest.mark.acceptance, pytest.mark.django_db(transaction=True)]
 LONGHAUL = Path(sys.executable).parent / "longhaul"
@@ -67,7 +67,7 @@ class Lines:
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
         # PYTHONFAULTHANDLER: a command that outlives its deadline is stopped with SIGABRT, which then writes
         # where each of its threads was to stderr (finish).
-        self.popen = subprocess.Popen([str(LONGHAUL), *args], env={**env, "PYTHONFAULTHANDLER": "1"},
+        self.popen = subprocess.Popen(ending_with_us([str(LONGHAUL), *args]), env={**env, "PYTHONFAULTHANDLER": "1"},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()

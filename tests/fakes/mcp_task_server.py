@@ -740,13 +740,14 @@ class McpTaskServer:
     def __enter__(self) -> ServerConfig:
         # Imported here so the server process itself never loads Longhaul code.
         from tasks.mcp.client import ServerConfig
+        from tests.processes import ending_with_us
 
         self.state_dir.mkdir(parents=True, exist_ok=True)
         if self.transport == "stdio":
             return ServerConfig(name="fake-stdio", transport="stdio", command=self._argv("stdio"), cwd=str(ROOT),
                                 timeout_s=self.timeout_s)
-        self._process = subprocess.Popen([*self._argv("http"), "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE,
-                                         text=True)
+        self._process = subprocess.Popen(ending_with_us([*self._argv("http"), "--port", "0"]), cwd=ROOT,
+                                         stdout=subprocess.PIPE, text=True)
         assert self._process.stdout is not None
         line = self._process.stdout.readline().strip()
         if not line.startswith("LISTENING "):
