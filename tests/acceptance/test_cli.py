@@ -65,10 +65,14 @@ class Lines:
     """A running command whose stdout is read line by line, with a deadline."""
 
     def __init__(self, args: list[str], env: dict[str, str]) -> None:
-        # PYTHONFAULTHANDLER: a command that outlives its deadline is stopped with SIGABRT, which then writes
-        # where each of its threads was to stderr (finish).
-        self.popen = subprocess.Popen(ending_with_us([str(LONGHAUL), *args]), env={**env, "PYTHONFAULTHANDLER": "1"},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # As a person starts it from a terminal: with SIGINT at its default (env --default-signal), which Python
+        # turns into KeyboardInterrupt. A test session started in the background (`make test &` in a script)
+        # inherits SIGINT ignored, and Python keeps it so: Ctrl-C would do nothing. PYTHONFAULTHANDLER: a command
+        # that outlives its deadline is stopped with SIGABRT, which then writes where each of its threads was to
+        # stderr (finish).
+        command = ending_with_us(["env", "--default-signal=INT", str(LONGHAUL), *args])
+        self.popen = subprocess.Popen(command, env={**env, "PYTHONFAULTHANDLER": "1"}, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
