@@ -20,8 +20,9 @@ import sys, time
 from pathlib import Path
 from tests.processes import Process
 child = Process("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], {}, Path(sys.argv[1]))
-# Once the child runs its own program, whatever starts it has set it up to end with this process.
-while b"sleep(600)" not in Path(f"/proc/{child.pid}/cmdline").read_bytes():
+# Once the child runs its own program (not a program that starts it, whose arguments name this one's too), whatever
+# starts it has set it up to end with this process.
+while Path(f"/proc/{child.pid}/exe").resolve() != Path(sys.executable).resolve():
     time.sleep(0.01)
 print(child.pid, flush=True)
 time.sleep(600)
