@@ -34,6 +34,8 @@ Each decision is also written to the admission records (tasks/admission_records.
 
 from __future__ import annotations
 
+import logging
+import threading
 import zlib
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -56,6 +58,7 @@ REJECTED = "task.rejected"  # AuditEntry.action of a refused submission; /metric
 REJECTION_ALERT_EVERY = timedelta(hours=1)
 _ADMISSION_LOCK = zlib.crc32(b"longhaul-admission")
 _SLOT_STATUSES = sorted(HOLDS_SLOT)
+log = logging.getLogger(__name__)
 
 
 # --- backpressure -----------------------------------------------------------------
@@ -174,14 +177,54 @@ class TenantQueue:
         return task
 
 
+class _Admitting(threading.local):
+    """Per thread (a connection's): whether an admission runs further up this stack, and whether a slot was
+    freed under it (a slot it took back: transitions.yield_slot admits, as every transition that frees one)."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.again = False
+
+
+_admitting = _Admitting()
+
+
 def admit(*, now: datetime) -> list[int]:
     """Fill free running slots system-wide, fairly; kick each admitted task. Returns their ids.
 
     Called by tasks/transitions.py inside the transaction of every transition that frees
     a slot or queues a task (any tenant may get the slot), by a quota change, and by the
     sweeper's liveness check. The choice is policy.fill_slots, which the replay runs too.
+
+    A slot taken back from a task between steps is freed by a transition, which calls this again,
+    inside it: that call only marks the slot, and the admission running here fills it in a further
+    pass. Nested instead, one admission owed hundreds of slots (a weight lowered) went six frames
+    deeper a slot until RecursionError.
     """
     assert connection.in_atomic_block, "admission commits with the change that freed the slot"
+    if _admitting.running:
+        _admitting.again = True
+        return []
+    _admitting.running = True
+    try:
+        admitted: list[int] = []
+        # Each pass after the first follows a slot taken back, and a policy that converges takes back
+        # fewer than there are slots; the bound keeps a policy that would not from holding the admission
+        # lock forever: the next admission (any transition that frees or queues) carries on.
+        passes = system_policy().max_running + 1
+        for _ in range(passes):
+            _admitting.again = False
+            admitted += _admit_once(now=now)
+            if not _admitting.again:
+                return admitted
+        log.error("admission stopped after %d passes with slots still being taken back", passes)
+        return admitted
+    finally:
+        _admitting.running = _admitting.again = False
+
+
+def _admit_once(*, now: datetime) -> list[int]:
+    """One pass of admit: fill the free slots, then take one back if a tenant is owed it."""
     _serialize_admission()
     # Stamped now, holding the lock: the caller read `now` before it queued for it, perhaps before the commit
     # that freed the slot it is about to fill. Its admission must not look older than that slot's end.
@@ -216,12 +259,12 @@ def admit(*, now: datetime) -> list[int]:
 def take_a_slot_back(queues: list[TenantQueue], *, now: datetime, aging_seconds: float) -> int | None:
     """Every slot is taken and tenants wait: when the weights say one of them is owed a slot, ask a
     running task of the tenant furthest above its share to give its slot back at its next step
-    boundary (transitions.yield_slot, which admits again in its own transaction). Returns that task's id.
+    boundary (transitions.yield_slot, which frees it in its own transaction). Returns that task's id.
 
     The task is the giver's most recently started one that runs steps here (the least work to set
     aside): not one waiting on calls, asked to stop, or tracking a remote job, whose polls must go on.
     One between steps that nobody holds is at its boundary now: it yields in this transaction, and the
-    slot is filled at once (the yield admits). Otherwise one held by a worker is asked, and yields
+    slot is filled at once (by admit's next pass). Otherwise one held by a worker is asked, and yields
     when its step ends. One request at a time: until the asked task has yielded, admission asks no
     other, so a burst of submissions takes back one slot per step boundary, not every slot at once; a
     request older than a lease (a long step, a long wait for calls) no longer holds the others back.

@@ -223,3 +223,29 @@ def test_a_task_tracking_a_remote_job_keeps_its_slot(acme, alice, globex, charli
     assert Task.objects.get(pk=theirs[0].pk).status == S.QUEUED, \
         "the remote jobs' polls go on; the one running steps here gave its slot"
     assert all(Task.objects.get(pk=t.pk).status == S.RUNNING for t in theirs[1:])
+
+
+def test_one_admission_takes_back_every_owed_slot_however_many(acme, alice, globex, charlie, settings):
+    # A weight change (or taking slots back turned on) can leave one tenant owed many slots, all held by
+    # tasks between steps, which one admission gives at once. Each slot given admits again: that must not
+    # nest once per slot (it did, about six frames a slot, until RecursionError at a few hundred).
+    slots = 400
+    settings.LONGHAUL_MAX_RUNNING = slots
+    settings.LONGHAUL_TAKE_SLOTS_BACK = False  # while the scene is set: globex waits, nobody is asked
+    for tenant in (acme, globex):
+        tenant.max_running = tenant.max_queued = slots
+        tenant.save()
+    for _ in range(slots):
+        submit_sleep(acme, alice, steps=10)
+    for _ in range(slots // 2):
+        submit_sleep(globex, charlie, steps=10)
+    assert (held(acme), held(globex)) == (slots, 0)
+    settings.LONGHAUL_TAKE_SLOTS_BACK = True
+
+    with transaction.atomic():
+        admitted = scheduling.admit(now=clock.now())
+
+    assert (held(acme), held(globex)) == (slots // 2, slots // 2), "equal weights: half the slots each"
+    assert sorted(admitted) == sorted(Task.objects.filter(tenant=globex).values_list("pk", flat=True)), \
+        "admit returns every task it admitted, in the slots it took back too"
+    assert asked() == [], "every slot came from a task between steps: none had to be asked"
