@@ -81,7 +81,18 @@ from tasks import (
     sweeper,
 )
 from tasks.errors import Conflict, RateLimited
-from tasks.models import Alert, AuditEntry, Checkpoint, IdempotencyRecord, Operation, Pool, SleepEffect, Task, TaskEvent
+from tasks.models import (
+    Alert,
+    AuditEntry,
+    Checkpoint,
+    IdempotencyRecord,
+    Operation,
+    Pool,
+    SleepEffect,
+    Task,
+    TaskEvent,
+    Tenant,
+)
 from tasks.statuses import ACTIVE, CLAIMABLE, HOLDS_SLOT, TERMINAL, NotificationStatus, OperationStatus, TaskStatus
 from tests.fakes.mcp_task_server import SERVER_NAME, McpTaskServer, write_servers_file
 from tests.fakes.openai_server import FakeOpenAI, Reply, Status, research_reply
@@ -426,16 +437,18 @@ class Rows:
         self.repairs = list(Alert.objects.filter(kind="liveness").values_list("message", flat=True))
 
 
-def stranded_tasks(rows: Rows, now: datetime) -> list[str]:
+def stranded_tasks(rows: Rows, now: datetime, *, kept: dict[int, int]) -> list[str]:
     """DESIGN §4, read independently of tasks/liveness.py: a task that is not terminal has an unexpired
     lease, a due time, an unfinished call whose completion makes it due, or waits for a person; a
-    queued task waits only while its tenant or the system is at its running cap, and no cap is exceeded."""
+    queued task waits only while its tenant or the system is at its running cap, and no cap is exceeded.
+    `kept`: the slots a tenant held when an operator lowered its cap under them, which it keeps until its
+    tasks give them up (admission never takes a running task's slot for a cap)."""
     waited_for = {(c["task_id"], c["step"]) for c in rows.calls}
-    holding = Counter(t["tenant_id"] for t in rows.tasks if t["status"] in HOLDS_SLOT)
+    holding = slots_held(rows)
     all_holding = sum(holding.values())
     caps = {t["tenant_id"]: t["tenant__max_running"] for t in rows.tasks}
-    problems = [f"tenant {tenant} holds {n} running slots (cap {caps[tenant]})"
-                for tenant, n in holding.items() if n > caps[tenant]]
+    problems = [f"tenant {tenant} holds {n} running slots (cap {caps[tenant]}, {kept.get(tenant, 0)} kept)"
+                for tenant, n in holding.items() if n > max(caps[tenant], kept.get(tenant, 0))]
     if all_holding > django_settings.LONGHAUL_MAX_RUNNING:
         problems.append(f"all tenants hold {all_holding} running slots (cap {django_settings.LONGHAUL_MAX_RUNNING})")
     for t in rows.tasks:
@@ -467,6 +480,10 @@ def tasks_without_a_kick(rows: Rows, now: datetime) -> list[str]:
             f"(kicks at {[f'{at:%H:%M:%S.%f}' for at in kicks_at]})"
             for t in rows.tasks if t["status"] in CLAIMABLE and not t["lease_owner"] and t["next_run_at"] is not None
             and not (kicks_at and kicks_at[0] <= max(t["next_run_at"], now))]
+
+
+def slots_held(rows: Rows) -> Counter[int]:
+    return Counter(t["tenant_id"] for t in rows.tasks if t["status"] in HOLDS_SLOT)
 
 
 def stranded_calls(rows: Rows) -> list[str]:
@@ -684,6 +701,7 @@ class LivenessMachine(RuleBasedStateMachine):
         self.remote_tasks = 0
         self.turn_elsewhere: psycopg.Connection | None = None  # the session of other processes' gateway jobs
         self.turns_elsewhere: list[int] = []  # the turns it holds
+        self.kept: dict[int, int] = {}  # tenant -> slots held when its cap was lowered under them (stranded_tasks)
 
     # --- helpers
 
@@ -807,6 +825,22 @@ class LivenessMachine(RuleBasedStateMachine):
             return
         actions.answer(task, user=task.owner, text="markdown")
         self.seen.add(f"answered {task.kind}")
+
+    # --- what operators do
+
+    @rule(tenant=st.sampled_from(["acme", "globex"]), max_running=st.integers(1, 4), weight=st.integers(0, 3))
+    def operator_sets_quotas(self, tenant, max_running, weight):
+        """An operator sets a tenant's running cap and weight (the admin's path): admission runs at once, and may
+        take slots back from the other tenant or leave this one holding more than its new cap until its tasks
+        give them up. Never 0 running: a tenant an operator stops altogether has no way forward until it is
+        raised again, by design."""
+        tenant_row = self.world[tenant]
+        before = Tenant.objects.values_list("max_running", "weight").get(pk=tenant_row.pk)
+        holding = Task.objects.filter(tenant=tenant_row, status__in=HOLDS_SLOT).count()
+        actions.set_quotas(tenant_row, user=self.world["alice"], quotas={"max_running": max_running, "weight": weight})
+        self.kept[tenant_row.pk] = holding if holding > max_running else 0
+        if (max_running, weight) != before:
+            self.seen.add(f"quotas {'lowered' if (max_running, weight) < before else 'raised'}")
 
     # --- the broker
 
@@ -1055,7 +1089,11 @@ class LivenessMachine(RuleBasedStateMachine):
 
     def nothing_is_stranded(self, rows: Rows) -> None:
         now = self.now()
-        problems = stranded_tasks(rows, now) + stranded_calls(rows) + stranded_outbox(rows, now) + sweeper_repairs(rows)
+        problems = (stranded_tasks(rows, now, kept=self.kept) + stranded_calls(rows) + stranded_outbox(rows, now)
+                    + sweeper_repairs(rows))
+        # A slot kept under a lowered cap is kept no longer once its task gave it up.
+        held = slots_held(rows)
+        self.kept = {tenant: min(n, held[tenant]) for tenant, n in self.kept.items() if held[tenant]}
         if self.kick_lost_at is None:
             problems += tasks_without_a_kick(rows, now)
         assert not problems, problems

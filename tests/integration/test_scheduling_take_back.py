@@ -249,3 +249,29 @@ def test_one_admission_takes_back_every_owed_slot_however_many(acme, alice, glob
     assert sorted(admitted) == sorted(Task.objects.filter(tenant=globex).values_list("pk", flat=True)), \
         "admit returns every task it admitted, in the slots it took back too"
     assert asked() == [], "every slot came from a task between steps: none had to be asked"
+
+
+def test_an_admission_that_never_settles_stops_after_as_many_passes_as_slots(acme, alice, settings, monkeypatch,
+                                                                            caplog):
+    # A policy that took a slot back at every pass (a bug) would otherwise hold the admission lock for good.
+    from tasks import transitions
+
+    settings.LONGHAUL_MAX_RUNNING = 2
+    for _ in range(4):
+        submit_sleep(acme, alice, steps=10)  # two hold the slots, two wait
+    passes = []
+
+    def one_back_every_time(queues, *, now, aging_seconds):
+        task = Task.objects.select_for_update().filter(status=S.RUNNING).order_by("-pk").first()
+        passes.append(task.pk)
+        assert transitions.yield_slot(task, token=None, now=now)
+        return task.pk
+
+    monkeypatch.setattr(scheduling, "take_a_slot_back", one_back_every_time)
+    with transaction.atomic():
+        scheduling.admit(now=clock.now())
+
+    assert len(passes) == settings.LONGHAUL_MAX_RUNNING + 1
+    assert "admission stopped after 3 passes" in caplog.text
+    assert held(acme) == 1, "the slot the last pass took back is left to the next admission"
+    assert Task.objects.filter(status=S.QUEUED).count() == 3
