@@ -276,7 +276,7 @@ def _admit(now: datetime) -> Iterator[tuple[Task | None, str]]:
     if not queued_with_free_slots():
         return
     with transaction.atomic():
-        admitted = scheduling.admit(now=now)
+        admitted = scheduling.admit(now=now, take_back=False)  # what waited beside a free slot, no more
     for task in Task.objects.filter(pk__in=admitted):
         yield task, "it waited in the queue while a slot was free; admitted"
 

@@ -189,12 +189,14 @@ class _Admitting(threading.local):
 _admitting = _Admitting()
 
 
-def admit(*, now: datetime) -> list[int]:
+def admit(*, now: datetime, take_back: bool = True) -> list[int]:
     """Fill free running slots system-wide, fairly; kick each admitted task. Returns their ids.
 
     Called by tasks/transitions.py inside the transaction of every transition that frees
     a slot or queues a task (any tenant may get the slot), by a quota change, and by the
     sweeper's liveness check. The choice is policy.fill_slots, which the replay runs too.
+    `take_back=False`: fill the free slots only (the liveness check's repair, which names what it admits as
+    tasks that waited beside a free slot); the next admission takes back what is owed.
 
     A slot taken back from a task between steps is freed by a transition, which calls this again,
     inside it: that call only marks the slot, and the admission running here fills it in a further
@@ -214,7 +216,7 @@ def admit(*, now: datetime) -> list[int]:
         passes = system_policy().max_running + 1
         for _ in range(passes):
             _admitting.again = False
-            admitted += _admit_once(now=now)
+            admitted += _admit_once(now=now, take_back=take_back)
             if not _admitting.again:
                 return admitted
         log.error("admission stopped after %d passes with slots still being taken back", passes)
@@ -223,7 +225,7 @@ def admit(*, now: datetime) -> list[int]:
         _admitting.running = _admitting.again = False
 
 
-def _admit_once(*, now: datetime) -> list[int]:
+def _admit_once(*, now: datetime, take_back: bool) -> list[int]:
     """One pass of admit: fill the free slots, then take one back if a tenant is owed it."""
     _serialize_admission()
     # Stamped now, holding the lock: the caller read `now` before it queued for it, perhaps before the commit
@@ -232,8 +234,9 @@ def _admit_once(*, now: datetime) -> list[int]:
     if not _anyone_queued():
         return []  # nobody waits (one probe of task_queued_idx): no slot to fill, none to take back
     system = system_policy()
+    take_back = take_back and settings.LONGHAUL_TAKE_SLOTS_BACK
     free = system.max_running - Task.objects.filter(status__in=_SLOT_STATUSES).count()
-    if free <= 0 and not settings.LONGHAUL_TAKE_SLOTS_BACK:
+    if free <= 0 and not take_back:
         return []  # nothing to fill, nothing to take back: no need to read who waits
     queues = waiting_tenants()
     admitted: list[int] = []
@@ -251,7 +254,7 @@ def _admit_once(*, now: datetime) -> list[int]:
 
     policy.fill_slots(queues, free=free, now=now, aging_seconds=system.aging_seconds, take=take)
     # Tenants still waiting means every slot is taken (fill_slots drops the queues it finds empty).
-    if queues and settings.LONGHAUL_TAKE_SLOTS_BACK:
+    if queues and take_back:
         take_a_slot_back(queues, now=now, aging_seconds=system.aging_seconds)
     return admitted
 

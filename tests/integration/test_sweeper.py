@@ -89,6 +89,22 @@ def test_it_admits_queued_tasks_when_slots_are_free_and_says_so(acme, alice):
     assert alert.rule == "admission_missed" and alert.task_id == queued.pk
 
 
+def test_the_admission_repair_names_only_the_tasks_that_waited_beside_a_free_slot(acme, alice, globex, charlie,
+                                                                                  settings):
+    # Four slots: acme holds three (between steps), one is free, and globex has three queued, staged without the
+    # admission their transitions would have run. The repair fills the free slot; the slots the weights say globex
+    # is owed besides are taken back by the next admission, not reported as slots that were free.
+    settings.LONGHAUL_MAX_RUNNING = 4
+    for _ in range(3):
+        make_task(acme, alice, status=S.RUNNING)
+    globex_queued = [make_task(globex, charlie, status=S.QUEUED) for _ in range(3)]
+    counts = sweeper.run_once(now=clock.now())
+    alerts = list(Alert.objects.filter(kind=Alert.Kind.LIVENESS).values_list("rule", "task_id"))
+    assert alerts == [("admission_missed", globex_queued[0].pk)]
+    assert counts["liveness_repairs"] == 1
+    assert Task.objects.filter(tenant=globex, status=S.RUNNING).count() == 1
+
+
 def test_a_fresh_heartbeat_with_stale_progress_is_flagged_once(acme, alice, settings):
     task = submit_sleep(acme, alice)
     start = clock.now()
