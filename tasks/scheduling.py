@@ -34,6 +34,7 @@ Each decision is also written to the admission records (tasks/admission_records.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import zlib
@@ -210,16 +211,18 @@ def admit(*, now: datetime, take_back: bool = True) -> list[int]:
     _admitting.running = True
     try:
         admitted: list[int] = []
-        # Each pass after the first follows a slot taken back, and a policy that converges takes back
-        # fewer than there are slots; the bound keeps a policy that would not from holding the admission
-        # lock forever: the next admission (any transition that frees or queues) carries on.
-        passes = system_policy().max_running + 1
-        for _ in range(passes):
+        for passes in itertools.count(1):
             _admitting.again = False
             admitted += _admit_once(now=now, take_back=take_back)
             if not _admitting.again:
-                return admitted
-        log.error("admission stopped after %d passes with slots still being taken back", passes)
+                break
+            # Each pass after the first follows a slot taken back, and a policy that converges takes back fewer
+            # than there are slots (tests/unit/test_take_back_policy.py); the bound keeps a policy that would not
+            # from holding the admission lock forever: the next admission (any transition that frees or queues)
+            # carries on.
+            if passes > system_policy().max_running:
+                log.error("admission stopped after %d passes with slots still being taken back", passes)
+                break
         return admitted
     finally:
         _admitting.running = _admitting.again = False

@@ -21,8 +21,11 @@ from pathlib import Path
 from tests.processes import Process
 child = Process("sleeper", [sys.executable, "-c", "import time; time.sleep(600)"], {}, Path(sys.argv[1]))
 # Once the child runs its own program (not a program that starts it, whose arguments name this one's too), whatever
-# starts it has set it up to end with this process.
+# starts it has set it up to end with this process. A child that never gets there: no pid said, and the test fails.
+deadline = time.monotonic() + 30
 while Path(f"/proc/{child.pid}/exe").resolve() != Path(sys.executable).resolve():
+    if time.monotonic() > deadline:
+        sys.exit("the child never ran its own program")
     time.sleep(0.01)
 print(child.pid, flush=True)
 time.sleep(600)

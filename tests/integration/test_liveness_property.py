@@ -836,9 +836,15 @@ class LivenessMachine(RuleBasedStateMachine):
         raised again, by design."""
         tenant_row = self.world[tenant]
         before = Tenant.objects.values_list("max_running", "weight").get(pk=tenant_row.pk)
-        holding = Task.objects.filter(tenant=tenant_row, status__in=HOLDS_SLOT).count()
+        holding = Task.objects.filter(tenant=tenant_row, status__in=HOLDS_SLOT)
+        before_admission = holding.count()
         actions.set_quotas(tenant_row, user=self.world["alice"], quotas={"max_running": max_running, "weight": weight})
-        self.kept[tenant_row.pk] = holding if holding > max_running else 0
+        # Kept: what it held, less what the admission just took back; never what it was just given.
+        kept = min(before_admission, holding.count())
+        if kept > max_running:
+            self.kept[tenant_row.pk] = kept
+        else:
+            self.kept.pop(tenant_row.pk, None)
         if (max_running, weight) != before:
             self.seen.add(f"quotas {'lowered' if (max_running, weight) < before else 'raised'}")
 
