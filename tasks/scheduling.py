@@ -211,21 +211,31 @@ def admit(*, now: datetime, take_back: bool = True) -> list[int]:
     _admitting.running = True
     try:
         admitted: list[int] = []
+        allowed: int | None = None  # read once a pass has taken a slot back, not at every admission
         for passes in itertools.count(1):
             _admitting.again = False
             admitted += _admit_once(now=now, take_back=take_back)
             if not _admitting.again:
                 break
-            # Each pass after the first follows a slot taken back, and a policy that converges takes back fewer
-            # than there are slots (tests/unit/test_take_back_policy.py); the bound keeps a policy that would not
-            # from holding the admission lock forever: the next admission (any transition that frees or queues)
-            # carries on.
-            if passes > system_policy().max_running:
+            # The bound keeps a policy that would not settle from holding the admission lock forever: the next
+            # admission (any transition that frees or queues) carries on.
+            allowed = allowed or _passes_allowed()
+            if passes >= allowed:
                 log.error("admission stopped after %d passes with slots still being taken back", passes)
                 break
         return admitted
     finally:
         _admitting.running = _admitting.again = False
+
+
+def _passes_allowed() -> int:
+    """The passes one admission may make, asked after a first pass that took a slot back. Each pass after the first
+    follows a slot taken back. While the tasks hold no more slots than the cap, a policy that converges takes back
+    fewer than the cap (tests/unit/test_take_back_policy.py); above a cap lowered under them, each slot taken back
+    brings them one nearer to it and none is filled before: so at most max(cap, slots held) + 1 passes. Bounded by
+    the cap alone, an admission above a lowered cap stopped before the newcomer it took the slots back for got one."""
+    held_before = Task.objects.filter(status__in=_SLOT_STATUSES).count() + 1  # with the slot the first pass took
+    return max(system_policy().max_running, held_before) + 1
 
 
 def _admit_once(*, now: datetime, take_back: bool) -> list[int]:
