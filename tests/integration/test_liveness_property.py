@@ -78,6 +78,7 @@ from tasks import (
     operations,
     requested,
     runner,
+    scheduling,
     sweeper,
 )
 from tasks.errors import Conflict, RateLimited
@@ -114,6 +115,7 @@ EXAMPLES = int(os.environ.get("LONGHAUL_PROPERTY_EXAMPLES", "150"))
 GATEWAY_RUN_FOR = 2.0  # the slice of the gateway jobs the machine runs itself, in seconds
 TURNS_EXAMPLES = max(1, EXAMPLES // 3)  # the same machine with two gateway turns: what differs is the kicks' condition
 STEPS = int(os.environ.get("LONGHAUL_PROPERTY_STEPS", "15"))
+SYSTEM_CAP = 4  # LONGHAUL_MAX_RUNNING at the start of each example (a rule lowers it)
 EXPLORE = os.environ.get("LONGHAUL_PROPERTY_RANDOM") == "1"
 START = datetime(2031, 3, 1, 12, 0, tzinfo=UTC)
 MAX_TASKS = 5
@@ -277,6 +279,20 @@ MODEL_ANSWERS = {
 }
 
 
+class AdmissionsGivenUp(logging.Handler):
+    """What scheduling.admit logs when it stops with slots still being taken back, which it never should."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+ADMISSIONS_GIVEN_UP = AdmissionsGivenUp()
+
+
 @pytest.fixture
 def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, model_server,
           monkeypatch) -> Iterator[dict]:
@@ -286,7 +302,7 @@ def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, mod
     globex.max_running = 3
     globex.save()
     settings.LONGHAUL_STEP_SLICE_MS = 0  # one step per advance: more interleavings
-    settings.LONGHAUL_MAX_RUNNING = 4
+    settings.LONGHAUL_MAX_RUNNING = SYSTEM_CAP
     settings.LONGHAUL_CHAT_RUNS_PER_TENANT = 1  # chat runs wait for admission too, and must still all end
     settings.LONGHAUL_MCP_POLL_FLOOR_MS = 50
     settings.LONGHAUL_MCP_BACKOFF_CAP_SECONDS = 0.4
@@ -347,10 +363,15 @@ def world(acme, globex, alice, bob, charlie, settings, tmp_path, mcp_server, mod
                         shared_ssl_context(httpx2_transports.create_ssl_context))
     for name in ("tasks", "chat"):  # the faults this test injects are logged by the hundred
         monkeypatch.setattr(logging.getLogger(name), "level", logging.CRITICAL)
+    # ... but an admission that gives up taking slots back is a failure of its own (check_all).
+    admission = logging.getLogger(scheduling.__name__)
+    monkeypatch.setattr(admission, "level", logging.ERROR)
+    admission.addHandler(ADMISSIONS_GIVEN_UP)
     FAULTS.reset()
     MEANWHILE.reset()
     yield {"acme": acme, "globex": globex, "alice": alice, "bob": bob, "charlie": charlie,
            "remote_calls": RemoteCalls(state), "settings": settings, "model_server": model_server}
+    admission.removeHandler(ADMISSIONS_GIVEN_UP)
     FAULTS.reset()
     MEANWHILE.reset()
 
@@ -437,20 +458,22 @@ class Rows:
         self.repairs = list(Alert.objects.filter(kind="liveness").values_list("message", flat=True))
 
 
-def stranded_tasks(rows: Rows, now: datetime, *, kept: dict[int, int]) -> list[str]:
+def stranded_tasks(rows: Rows, now: datetime, *, kept: dict[int, int], kept_system: int = 0) -> list[str]:
     """DESIGN §4, read independently of tasks/liveness.py: a task that is not terminal has an unexpired
     lease, a due time, an unfinished call whose completion makes it due, or waits for a person; a
     queued task waits only while its tenant or the system is at its running cap, and no cap is exceeded.
     `kept`: the slots a tenant held when an operator lowered its cap under them, which it keeps until its
-    tasks give them up (admission never takes a running task's slot for a cap)."""
+    tasks give them up (admission never takes a running task's slot for a cap); `kept_system`: the same for
+    the system cap (LONGHAUL_MAX_RUNNING), lowered under the slots all tenants held."""
     waited_for = {(c["task_id"], c["step"]) for c in rows.calls}
     holding = slots_held(rows)
     all_holding = sum(holding.values())
     caps = {t["tenant_id"]: t["tenant__max_running"] for t in rows.tasks}
     problems = [f"tenant {tenant} holds {n} running slots (cap {caps[tenant]}, {kept.get(tenant, 0)} kept)"
                 for tenant, n in holding.items() if n > max(caps[tenant], kept.get(tenant, 0))]
-    if all_holding > django_settings.LONGHAUL_MAX_RUNNING:
-        problems.append(f"all tenants hold {all_holding} running slots (cap {django_settings.LONGHAUL_MAX_RUNNING})")
+    if all_holding > max(django_settings.LONGHAUL_MAX_RUNNING, kept_system):
+        problems.append(f"all tenants hold {all_holding} running slots (cap {django_settings.LONGHAUL_MAX_RUNNING}, "
+                        f"{kept_system} kept)")
     for t in rows.tasks:
         if t["status"] in TERMINAL | PERSON:
             continue
@@ -702,6 +725,9 @@ class LivenessMachine(RuleBasedStateMachine):
         self.turn_elsewhere: psycopg.Connection | None = None  # the session of other processes' gateway jobs
         self.turns_elsewhere: list[int] = []  # the turns it holds
         self.kept: dict[int, int] = {}  # tenant -> slots held when its cap was lowered under them (stranded_tasks)
+        self.kept_system = 0  # slots all tenants held when the system cap was lowered under them
+        ADMISSIONS_GIVEN_UP.messages.clear()
+        self.world["settings"].LONGHAUL_MAX_RUNNING = SYSTEM_CAP  # a rule lowers it
 
     # --- helpers
 
@@ -835,6 +861,7 @@ class LivenessMachine(RuleBasedStateMachine):
         give them up. Never 0 running: a tenant an operator stops altogether has no way forward until it is
         raised again, by design."""
         tenant_row = self.world[tenant]
+        max_running = min(max_running, django_settings.LONGHAUL_MAX_RUNNING)  # set_quotas refuses more
         before = Tenant.objects.values_list("max_running", "weight").get(pk=tenant_row.pk)
         holding = Task.objects.filter(tenant=tenant_row, status__in=HOLDS_SLOT)
         before_admission = holding.count()
@@ -847,6 +874,19 @@ class LivenessMachine(RuleBasedStateMachine):
             self.kept.pop(tenant_row.pk, None)
         if (max_running, weight) != before:
             self.seen.add(f"quotas {'lowered' if (max_running, weight) < before else 'raised'}")
+
+    @precondition(lambda self: django_settings.LONGHAUL_MAX_RUNNING > 1)
+    @rule(lower_by=st.integers(1, 3))
+    def operator_lowers_the_system_cap(self, lower_by):
+        """An operator lowers LONGHAUL_MAX_RUNNING (the processes restarted with it), perhaps under the slots the
+        tasks hold: nobody is admitted past it, and the tasks keep their slots until they give them up, or are asked
+        to for a tenant owed one. Only lowered: a raised cap is filled by the next transition that frees or queues a
+        slot, or by the sweeper's admission repair, which this machine counts as a task stranded meanwhile."""
+        cap = max(1, django_settings.LONGHAUL_MAX_RUNNING - lower_by)
+        held = Task.objects.filter(status__in=HOLDS_SLOT).count()
+        self.world["settings"].LONGHAUL_MAX_RUNNING = cap
+        self.kept_system = held if held > cap else 0
+        self.seen.add("system cap lowered under the slots held" if held > cap else "system cap lowered")
 
     # --- the broker
 
@@ -1095,11 +1135,12 @@ class LivenessMachine(RuleBasedStateMachine):
 
     def nothing_is_stranded(self, rows: Rows) -> None:
         now = self.now()
-        problems = (stranded_tasks(rows, now, kept=self.kept) + stranded_calls(rows) + stranded_outbox(rows, now)
+        problems = (stranded_tasks(rows, now, kept=self.kept, kept_system=self.kept_system) + stranded_calls(rows) + stranded_outbox(rows, now)
                     + sweeper_repairs(rows))
         # A slot kept under a lowered cap is kept no longer once its task gave it up.
         held = slots_held(rows)
         self.kept = {tenant: min(n, held[tenant]) for tenant, n in self.kept.items() if held[tenant]}
+        self.kept_system = min(self.kept_system, sum(held.values()))
         if self.kick_lost_at is None:
             problems += tasks_without_a_kick(rows, now)
         assert not problems, problems
@@ -1199,6 +1240,7 @@ class LivenessMachine(RuleBasedStateMachine):
     def check_all(self) -> None:
         rows = Rows()
         self.nothing_is_stranded(rows)
+        assert not ADMISSIONS_GIVEN_UP.messages, ADMISSIONS_GIVEN_UP.messages
         self.records_are_consistent()
         self.terminal_tasks_stay_terminal(rows)
 
