@@ -32,7 +32,7 @@ from functools import lru_cache
 from typing import Any
 
 import psycopg
-from django.db import NotSupportedError, connection
+from django.db import DEFAULT_DB_ALIAS, NotSupportedError, connection, connections
 from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 
 # Preparing is on for a statement of ours alone, for the time of its execute: with the connection's threshold
@@ -147,10 +147,11 @@ def _cursor(kind: type[psycopg.RawCursor] = _PreparingCursor) -> CursorWrapper:
     """Made as Django makes its own (BaseDatabaseWrapper._cursor): the health check a job's start asked for
     (CONN_HEALTH_CHECKS), then through Django's cursor wrapper, so the query log, execute wrappers and error
     translation see these statements as any other."""
-    assert connection.vendor == "postgresql", "numbered placeholders are PostgreSQL's"
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    connection.validate_thread_sharing()
-    with connection.wrap_database_errors:
-        raw = kind(connection.connection)
-    return _LoggedCursor(raw, connection) if connection.queries_logged else connection.make_cursor(raw)
+    db = connections[DEFAULT_DB_ALIAS]  # once: each read of the `connection` proxy looks it up in a context-local
+    assert db.vendor == "postgresql", "numbered placeholders are PostgreSQL's"
+    db.close_if_health_check_failed()
+    db.ensure_connection()
+    db.validate_thread_sharing()
+    with db.wrap_database_errors:
+        raw = kind(db.connection)
+    return _LoggedCursor(raw, db) if db.queries_logged else db.make_cursor(raw)
