@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 from django.db.models import Case, Count, Exists, F, OuterRef, QuerySet, Subquery, When
 from django.db.models.functions import Coalesce
 
@@ -226,6 +226,19 @@ def admit(*, now: datetime, take_back: bool = True) -> list[int]:
         return admitted
     finally:
         _admitting.running = _admitting.again = False
+
+
+def admit_at_start() -> list[int]:
+    """A worker cluster's start: admit into the slots a raised LONGHAUL_MAX_RUNNING made free. The cap is read at
+    start, and no transition frees a slot for it: the queued tasks waited for the next task to end, or on an idle
+    system for the sweeper's admission repair, which takes them for a missed admission and raises an alert.
+    A database away at start is logged and left to that repair."""
+    try:
+        with transaction.atomic():
+            return admit(now=clock.now())
+    except DatabaseError as exc:
+        log.warning("admission at start failed (%s): the sweeper's next pass admits", exc)
+        return []
 
 
 def _passes_allowed() -> int:

@@ -115,7 +115,7 @@ EXAMPLES = int(os.environ.get("LONGHAUL_PROPERTY_EXAMPLES", "150"))
 GATEWAY_RUN_FOR = 2.0  # the slice of the gateway jobs the machine runs itself, in seconds
 TURNS_EXAMPLES = max(1, EXAMPLES // 3)  # the same machine with two gateway turns: what differs is the kicks' condition
 STEPS = int(os.environ.get("LONGHAUL_PROPERTY_STEPS", "15"))
-SYSTEM_CAP = 4  # LONGHAUL_MAX_RUNNING at the start of each example (a rule lowers it)
+SYSTEM_CAP = 4  # LONGHAUL_MAX_RUNNING at the start of each example (a rule changes it)
 EXPLORE = os.environ.get("LONGHAUL_PROPERTY_RANDOM") == "1"
 START = datetime(2031, 3, 1, 12, 0, tzinfo=UTC)
 MAX_TASKS = 5
@@ -727,7 +727,7 @@ class LivenessMachine(RuleBasedStateMachine):
         self.kept: dict[int, int] = {}  # tenant -> slots held when its cap was lowered under them (stranded_tasks)
         self.kept_system = 0  # slots all tenants held when the system cap was lowered under them
         ADMISSIONS_GIVEN_UP.messages.clear()
-        self.world["settings"].LONGHAUL_MAX_RUNNING = SYSTEM_CAP  # a rule lowers it
+        self.world["settings"].LONGHAUL_MAX_RUNNING = SYSTEM_CAP  # a rule changes it
 
     # --- helpers
 
@@ -875,18 +875,23 @@ class LivenessMachine(RuleBasedStateMachine):
         if (max_running, weight) != before:
             self.seen.add(f"quotas {'lowered' if (max_running, weight) < before else 'raised'}")
 
-    @precondition(lambda self: django_settings.LONGHAUL_MAX_RUNNING > 1)
-    @rule(lower_by=st.integers(1, 3))
-    def operator_lowers_the_system_cap(self, lower_by):
-        """An operator lowers LONGHAUL_MAX_RUNNING (the processes restarted with it), perhaps under the slots the
-        tasks hold: nobody is admitted past it, and the tasks keep their slots until they give them up, or are asked
-        to for a tenant owed one. Only lowered: a raised cap is filled by the next transition that frees or queues a
-        slot, or by the sweeper's admission repair, which this machine counts as a task stranded meanwhile."""
-        cap = max(1, django_settings.LONGHAUL_MAX_RUNNING - lower_by)
-        held = Task.objects.filter(status__in=HOLDS_SLOT).count()
+    @rule(cap=st.integers(1, SYSTEM_CAP + 1))
+    def operator_sets_the_system_cap(self, cap):
+        """An operator sets LONGHAUL_MAX_RUNNING and restarts the processes: the workers admit as they start
+        (scheduling.admit_at_start), into the slots a raised cap made free. Lowered under the slots the tasks hold,
+        nobody is admitted past it, and the tasks keep their slots until they give them up, or are asked to for a
+        tenant owed one."""
+        before = django_settings.LONGHAUL_MAX_RUNNING
+        holding = Task.objects.filter(status__in=HOLDS_SLOT)
+        before_admission = holding.count()
         self.world["settings"].LONGHAUL_MAX_RUNNING = cap
-        self.kept_system = held if held > cap else 0
-        self.seen.add("system cap lowered under the slots held" if held > cap else "system cap lowered")
+        scheduling.admit_at_start()
+        # Kept: what was held, less what the admission took back; never what it gave.
+        kept = min(before_admission, holding.count())
+        self.kept_system = kept if kept > cap else 0
+        if cap != before:
+            self.seen.add(f"system cap {'lowered' if cap < before else 'raised'}"
+                          + (" under the slots held" if kept > cap else ""))
 
     # --- the broker
 

@@ -194,6 +194,21 @@ def test_the_sweeper_fills_free_slots_system_wide_in_one_pass(acme, alice, globe
     assert sorted((running(acme), running(globex))) == [1, 2]
 
 
+def test_a_worker_starting_under_a_raised_system_cap_fills_the_slots_it_frees(acme, alice, settings):
+    # LONGHAUL_MAX_RUNNING is read at start: raised with tasks queued (and none ending soon), nothing else admits
+    # them but the sweeper's repair, which alerts as for an admission missed.
+    settings.LONGHAUL_MAX_RUNNING = 1
+    for _ in range(3):
+        submit_sleep(acme, alice, steps=10)
+    assert running(acme) == 1
+    settings.LONGHAUL_MAX_RUNNING = 3
+
+    assert len(scheduling.admit_at_start()) == 2
+
+    assert running(acme) == 3
+    assert sweeper.run_once(now=clock.now())["liveness_repairs"] == 0
+
+
 def test_admission_reads_the_heads_of_queues_not_whole_queues(acme, alice, globex, charlie):
     Tenant.objects.update(max_running=0)
     for priority in (0, 1):

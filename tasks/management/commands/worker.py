@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django_q.conf import Conf
 
-from tasks import supervisor
+from tasks import scheduling, supervisor
 
 
 def cluster_name(queue: str) -> str:
@@ -37,5 +37,7 @@ class Command(BaseCommand):
             # django-q2 reads its cluster's name from Q_CLUSTER_NAME once, at import: start again with it set.
             env = {**os.environ, "Q_CLUSTER_NAME": wanted}
             os.execve(sys.executable, sys.orig_argv, env)
+        if queue == "tasks":
+            scheduling.admit_at_start()  # a raised LONGHAUL_MAX_RUNNING frees slots that no transition fills
         if supervisor.run_cluster(stall_seconds=stall_seconds):
             supervisor.restart_in_place()
