@@ -146,14 +146,14 @@ def test_it_replaces_a_cluster_that_leaves_due_work_waiting(acme, alice, log_dir
     assert_every_task_succeeded_once(tasks, steps=2)
 
 
-def test_a_worker_started_under_a_raised_cap_admits_what_waited_for_it(acme, alice, settings, tmp_path):
+def test_a_worker_started_under_a_raised_cap_admits_what_waited_for_it(acme, alice, settings, log_dir):
     # LONGHAUL_MAX_RUNNING is read when a process starts: raised (here, only the worker's), tasks that queued
     # under the old cap get the new slots when the worker starts, not at the sweeper's repair (which alerts as
     # for an admission missed), nor when the running task ends.
     settings.LONGHAUL_MAX_RUNNING = 1
     tasks = [submit_sleep(acme, alice, steps=3, step_seconds=5) for _ in range(3)]
     assert Task.objects.filter(status=TaskStatus.QUEUED).count() == 2
-    with qcluster(tmp_path, workers=2, LONGHAUL_MAX_RUNNING="3", **FAST_RECOVERY):
+    with qcluster(log_dir, workers=2, LONGHAUL_MAX_RUNNING="3", **FAST_RECOVERY):
         wait_until(lambda: not Task.objects.filter(pk__in=[t.pk for t in tasks], status=TaskStatus.QUEUED).exists(),
                    timeout=20, message="the queued tasks to be admitted")
         assert not Alert.objects.filter(kind=Alert.Kind.LIVENESS).exists(), "admitted by the sweeper's repair"
