@@ -1140,8 +1140,8 @@ class LivenessMachine(RuleBasedStateMachine):
 
     def nothing_is_stranded(self, rows: Rows) -> None:
         now = self.now()
-        problems = (stranded_tasks(rows, now, kept=self.kept, kept_system=self.kept_system) + stranded_calls(rows) + stranded_outbox(rows, now)
-                    + sweeper_repairs(rows))
+        problems = (stranded_tasks(rows, now, kept=self.kept, kept_system=self.kept_system) + stranded_calls(rows)
+                    + stranded_outbox(rows, now) + sweeper_repairs(rows))
         # A slot kept under a lowered cap is kept no longer once its task gave it up.
         held = slots_held(rows)
         self.kept = {tenant: min(n, held[tenant]) for tenant, n in self.kept.items() if held[tenant]}
