@@ -17,7 +17,7 @@ from django.db import connection, transaction
 from django.db.models import CharField, Field, JSONField, Q, QuerySet, TextField
 from django.db.models.sql import Query
 
-from tasks import broker, prepared, sealed, transitions, typed_sql
+from tasks import broker, prepared, sealed, transitions
 from tasks.errors import LeaseLost
 from tasks.models import AdmissionRecord, Checkpoint, Operation, Task
 from tasks.statuses import CLAIMABLE, TaskStatus
@@ -226,7 +226,7 @@ def _task_of(row: tuple) -> Task:
 
 def _converted(model: type, fields: tuple[Field, ...], values: Sequence[Any]) -> list[Any]:
     """`values` of `fields` as a query of Django's would return them (its backend's and the fields' converters)."""
-    converted, db = list(values), typed_sql.database()
+    converted, db = list(values), prepared.database()
     for position, (converters, expression) in _converters(model, fields).items():
         for converter in converters:
             converted[position] = converter(converted[position], expression, db)

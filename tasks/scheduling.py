@@ -188,6 +188,7 @@ class _Admitting(threading.local):
 
 
 _admitting = _Admitting()
+START_LOCK_TIMEOUT_S = 5.0  # admit_at_start's longest wait for a lock
 
 
 def admit(*, now: datetime, take_back: bool = True) -> list[int]:
@@ -232,9 +233,14 @@ def admit_at_start() -> list[int]:
     """A worker cluster's start: admit into the slots a raised LONGHAUL_MAX_RUNNING made free. The cap is read at
     start, and no transition frees a slot for it: the queued tasks waited for the next task to end, or on an idle
     system for the sweeper's admission repair, which takes them for a missed admission and raises an alert.
-    A database away at start is logged and left to that repair."""
+    A database away at start, or an admission lock it cannot have within START_LOCK_TIMEOUT_S (a session stuck
+    holding it), is logged and left to that repair: waited for without end, it kept the cluster from starting, and
+    with it the sweeper that repairs."""
     try:
         with transaction.atomic():
+            if connection.vendor == "postgresql":
+                with connection.cursor() as cursor:
+                    cursor.execute(f"SET LOCAL lock_timeout = '{round(START_LOCK_TIMEOUT_S * 1000)}ms'")
             return admit(now=clock.now())
     except DatabaseError as exc:
         log.warning("admission at start failed (%s): the sweeper's next pass admits", exc)

@@ -13,18 +13,11 @@ from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
-from django.db import DEFAULT_DB_ALIAS, connection, connections
-from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db import connection
 from django.db.models import CharField, Field, Model
 
 from tasks import prepared
-
-
-def database() -> BaseDatabaseWrapper:
-    """The default database itself, for preparing many values: `connection` is a proxy that looks the database up
-    (in a context-local) at every attribute read, and a field reads it once or more for each value it prepares (a
-    research step's commit prepares about a hundred; the look-ups were a tenth of its worker's time)."""
-    return connections[DEFAULT_DB_ALIAS]
+from tasks.prepared import database
 
 
 @cache

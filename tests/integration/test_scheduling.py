@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import psycopg
 import pytest
 import time_machine
 from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 
-from tasks import actions, clock, jobs, scheduling, sweeper
+from tasks import actions, clock, jobs, requested, scheduling, sweeper
 from tasks.models import Task, TaskEvent, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
 from tests.factories import make_task, submit_sleep
@@ -207,6 +208,23 @@ def test_a_worker_starting_under_a_raised_system_cap_fills_the_slots_it_frees(ac
 
     assert running(acme) == 3
     assert sweeper.run_once(now=clock.now())["liveness_repairs"] == 0
+
+
+@pytest.mark.django_db(transaction=True)  # the submissions' admission locks are released by their commits
+def test_a_worker_start_does_not_wait_for_ever_behind_a_stuck_admission(acme, alice, settings, monkeypatch, caplog):
+    # A session stuck holding the admission lock (a process hung inside a transaction) must not keep the cluster,
+    # and the sweeper in it, from starting: the start gives up on the lock and leaves the slots to the sweeper.
+    settings.LONGHAUL_MAX_RUNNING = 1
+    for _ in range(2):
+        submit_sleep(acme, alice, steps=10)
+    settings.LONGHAUL_MAX_RUNNING = 2
+    monkeypatch.setattr(scheduling, "START_LOCK_TIMEOUT_S", 0.2)
+    with psycopg.connect(requested.conninfo(), autocommit=True) as stuck:
+        stuck.execute("SELECT pg_advisory_lock(%s)", [scheduling._ADMISSION_LOCK])
+        assert scheduling.admit_at_start() == []
+    assert "admission at start failed" in caplog.text
+    assert running(acme) == 1, "left to the sweeper"
+    assert len(scheduling.admit_at_start()) == 1, "and admitted once the lock is free"
 
 
 def test_admission_reads_the_heads_of_queues_not_whole_queues(acme, alice, globex, charlie):
