@@ -434,7 +434,8 @@ def test_a_failed_compensation_is_logged_beside_the_original_error(remote, acme,
 def _database_gone_while_compensating(monkeypatch, *, for_everyone: bool) -> None:
     """While a gateway job compensates for an unrecorded tools/call, the database answers nothing: to the
     compensation only (its context: its own code, and what it runs through sync_to_async), or to everything in
-    the process (the job's own loop too)."""
+    the process (the job's own loop too; its slice ends as the compensation begins, so that the loop needs the
+    database meanwhile, to give its turn back)."""
     compensate = operations._compensate
     cursor = type(connections["default"])._cursor
     gone = contextvars.ContextVar("database_gone", default=False)
@@ -449,6 +450,7 @@ def _database_gone_while_compensating(monkeypatch, *, for_everyone: bool) -> Non
         token = gone.set(True)
         if for_everyone:
             gone_everywhere.set()
+            drain.ending.set()  # the job claims no more: at its next look it gives its turn back
         try:
             await compensate(*args, **kwargs)
         finally:
@@ -465,8 +467,10 @@ def database_gone_while_compensating(monkeypatch) -> None:
 
 
 @pytest.fixture
-def database_gone_everywhere_while_compensating(monkeypatch) -> None:
+def database_gone_everywhere_while_compensating(monkeypatch) -> Iterator[None]:
     _database_gone_while_compensating(monkeypatch, for_everyone=True)
+    yield
+    drain.ending.clear()
 
 
 def test_a_remote_task_is_cancelled_once_even_when_the_database_answers_nothing_any_more(
@@ -482,14 +486,17 @@ def test_a_remote_task_is_cancelled_once_even_when_the_database_answers_nothing_
 
 def test_a_job_stopped_by_the_database_while_it_cancels_an_unrecorded_remote_task_sees_the_cancel_through(
         remote, acme, alice, unrecordable_tool_calls, database_gone_everywhere_while_compensating, caplog):
-    # The server takes 1.5 s over the cancel; the job's slice (0.1 s) ends meanwhile, and ending its turn needs the
-    # database, which is gone: the job stops with that error, but only once the cancel is through (nothing else
-    # would ever stop the remote task: the call, which must not run twice, is failed once its lease runs out).
+    # The server takes 1.5 s over the cancel; the job's slice ends as the compensation begins, and giving its turn
+    # back needs the database, which is gone: the job stops with that error, but only once the cancel is through
+    # (nothing else would ever stop the remote task: the call, which must not run twice, is failed once its lease
+    # runs out). The slice is the fixture's to end: one timed to end meanwhile ended first on a busy machine, while
+    # the call was out (call_delay_ms makes it so here), and the job then needed no database during the cancel.
     task = submit(acme, alice, [{"do": "continue", "requests": [
-        _tool_call("slow_report", topic="t", seconds=30, cancel_delay_ms=1500)]}])
+        _tool_call("slow_report", topic="t", seconds=30, cancel_delay_ms=1500, call_delay_ms=300)]}])
+    follow(task, until=lambda t: Operation.objects.filter(task=t, name="tools/call").exists(), settle=False)
     with caplog.at_level(logging.ERROR, logger="tasks.operations"), \
             pytest.raises(OperationalError, match="the database is gone"):
-        _run_the_call(task)
+        operations.run_due(run_for=60)
     assert [r.get("cancel_requested_at") is not None for r in _remote_tasks(remote)] == [True]
     assert "failed too" not in caplog.text
 
