@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from tasks.statuses import TERMINAL, TaskStatus
 
 RAMP_SECONDS = 10.0  # about a task's life at 2 s model calls: the first N start spread over it, not at once
 LOOK_EVERY = 0.05  # how often the submitter counts what is in flight
+BUSY_AT_MOST = 0.8  # a machine's cores busy at most, for steps not to queue for them (the capacity note)
 LIMITS = {"level": 1000, "total": 5000, "rounds": 9, "delay": 30.0, "workers": 8}
 INTERVALS = ("model call: requested -> claimed by a gateway job", "tool call: requested -> claimed by a gateway job",
              f"{FROM_ANSWER} -> next step committed")
@@ -55,9 +57,14 @@ class Round:
     finished_per_minute: float  # tasks that ended in that window, a minute's worth
     cores_busy: float  # share of the machine's cores busy from the first call out to the end
     cpu: dict[str, float]  # CPU seconds by part (inflight.ROLES)
+    steady_cpu_per_task: float  # the machine's busy CPU seconds while N were in flight, a task finished meanwhile
 
     def p50(self, interval: str) -> float:
         return h.percentile(self.waits[interval], 50)
+
+    def share(self, role: str) -> float:
+        """The part `role` took of the CPU the round's processes used."""
+        return self.cpu[role] / (sum(self.cpu.values()) or 1.0)
 
 
 def in_flight(tenant_id: int) -> int:
@@ -111,7 +118,15 @@ def one_round(fake: TrackingFake, env: dict[str, str], *, level: int, total: int
     steady = window[1] - window[0]
     return Round(level=level, waits=waits, statuses=statuses, steady_seconds=steady,
                  finished_per_minute=finished / steady * 60 if steady else 0.0, cores_busy=busy,
-                 cpu=sampler.cpu.by_role(gateway=set(sampler.max_per_pid)))
+                 cpu=sampler.cpu.by_role(gateway=set(sampler.max_per_pid)),
+                 steady_cpu_per_task=busy_seconds(cores, *window) / finished if finished else 0.0)
+
+
+def busy_seconds(busy: list[tuple[float, float, float]], start: float, end: float) -> float:
+    """The machine's busy CPU seconds, all cores, between its first and last sample (Sampler.busy, every 0.2 s) from
+    `start` to `end`."""
+    inside = [seconds for at, seconds, _ in busy if start <= at <= end]
+    return inside[-1] - inside[0] if len(inside) > 1 else 0.0
 
 
 def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, rounds: int = 2, delay: float = 2.0,
@@ -164,12 +179,39 @@ def run(*, levels: tuple[int, ...] = (50, 100, 200), total: int | None = None, r
             f"({pace[top] / pace[below]:.2f}x) for {top / below:.2f}x the tasks, with the cores "
             f"{cores[below]:.0%} -> {cores[top]:.0%} busy (medians of the rounds): where the pace stops growing with "
             "the tasks, the machine has no more to give them, and each step waits for the ones before it.")
+        report.notes.append(capacity_note(by_level, lowest=levels[0], top=top))
     report.notes.append(
         "Cores busy is /proc/stat's, every 0.2 s from the first model call out to the end; the CPU seconds are "
         "each process's, over the same time (bench/inflight.py's parts). This benchmark's process submits the tasks, "
         "as the web service would, and runs the fakes, which stand for other machines: both share this machine's "
         "2 cores with the cluster and PostgreSQL.")
     return report
+
+
+def capacity_note(by_level: dict[int, list[Round]], *, lowest: int, top: int) -> str:
+    """What `top` in flight ask of this machine's cores, from a task's life at the `lowest` level (Little's law: in
+    flight = tasks finished a second x a task's life) and the CPU a task took while `top` were in flight (the whole
+    machine's: every part, this process's fakes too)."""
+    pace = median(r.finished_per_minute for r in by_level[lowest]) / 60
+    life = lowest / pace
+    asked = top / life
+    per_task = median(r.steady_cpu_per_task for r in by_level[top])
+    fakes = per_task * median(r.share(ROLES[4]) for r in by_level[top])
+    cores = len(os.sched_getaffinity(0))
+    within = BUSY_AT_MOST * cores / asked
+    said = (f"What {top} in flight ask of this machine: a task lived {life:.1f} s at {lowest} in flight (in flight / "
+            f"tasks finished a second), which includes some waiting already; at that life {top} in flight finish "
+            f"{asked:.1f} tasks a second. While {top} were in flight the machine's cores (every process on it) spent "
+            f"{per_task * 1000:.0f} ms of CPU a task finished (about {fakes * 1000:.0f} ms of it this process's "
+            f"submissions and fakes, by its share of the round's CPU): {asked * per_task:.1f} cores of the machine's "
+            f"{cores}.")
+    if per_task <= within:
+        return f"{said} That is within {BUSY_AT_MOST:.0%} of them: the steps need not queue for a core."
+    return (f"{said} Past {BUSY_AT_MOST:.0%} of them, each step queues for a core, and past all of them tasks finish "
+            f"no faster: the last answer -> next step wait above. To keep the cores at most {BUSY_AT_MOST:.0%} busy "
+            f"at that pace, a task may take {within * 1000:.0f} ms of CPU, {1 - within / per_task:.0%} less; the "
+            f"fakes' share left as it is, Longhaul's part would have to fall from {(per_task - fakes) * 1000:.0f} to "
+            f"{max(within - fakes, 0) * 1000:.0f} ms.")
 
 
 def main() -> None:
