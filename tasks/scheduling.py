@@ -43,13 +43,15 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.db import DatabaseError, connection, transaction
-from django.db.models import Case, Count, Exists, F, OuterRef, QuerySet, Subquery, When
+from django.db.models import BooleanField, Case, Count, Exists, F, OuterRef, QuerySet, Subquery, When
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Coalesce
 
 from tasks import admission_policy as policy
 from tasks import admission_records, clock, kicks, prepared, transitions
 from tasks.alerts import raise_alert
 from tasks.budgets import Budget
+from tasks.compiled import compiled_once
 from tasks.errors import QuotaExceeded
 from tasks.models import Alert, AuditEntry, Task, Tenant
 from tasks.statuses import HOLDS_SLOT, TaskStatus
@@ -153,6 +155,14 @@ def effective_priority(priority: int, created_at: datetime, *, now: datetime) ->
     return policy.effective_priority(priority, created_at, now=now, aging_seconds=aging_seconds())
 
 
+# Whether a tenant has one task queued, no more: two probes of task_queued_idx at most. Such a tenant is served by one
+# read of its queue, not a second that finds it empty (a submission to a tenant with a free slot made both).
+_QUEUED_ONE = RawSQL(
+    f"""(SELECT count(*) = 1 FROM (SELECT 1 FROM "{Task._meta.db_table}" q WHERE q.tenant_id = "{Tenant._meta.db_table}"."id"
+         AND q.status = '{TaskStatus.QUEUED.value}' LIMIT 2) AS up_to_two)""", [],
+    output_field=BooleanField())
+
+
 @dataclass
 class TenantQueue:
     """A tenant that has queued tasks and a free slot of its own, as admission sees it: a
@@ -163,18 +173,24 @@ class TenantQueue:
     max_running: int
     max_queued: int
     running: int
+    queued_one: bool = False  # the tenant had one task queued, no more, when admission read it
+    cancelling: bool = True  # whether one of them may be queued only to cancel its remote work (if so, looked for)
     task: Task | None = None
     fetched: bool = False
 
     def head(self, *, now: datetime, aging_seconds: float) -> policy.Head | None:
         if not self.fetched:
-            self.task, self.fetched = head_of_queue(self.tenant_id, now=now, aging=aging_seconds), True
+            self.task = head_of_queue(self.tenant_id, now=now, aging=aging_seconds, cancelling=self.cancelling)
+            self.fetched = True
         return None if self.task is None else _head(self.task)
 
     def take(self) -> Task:
-        """The head, which the next read of `head` no longer returns."""
-        task, self.task, self.fetched = self.task, None, False
+        """The head, which the next read of `head` no longer returns. A queue that held one task is known empty
+        then, without reading it again: under the admission lock nobody else queues a task meanwhile (whoever
+        does admits after this admission commits)."""
+        task, self.task = self.task, None
         assert task is not None
+        self.fetched, self.queued_one = self.queued_one, False
         return task
 
 
@@ -253,7 +269,7 @@ def _passes_allowed() -> int:
     fewer than the cap (tests/unit/test_take_back_policy.py); above a cap lowered under them, each slot taken back
     brings them one nearer to it and none is filled before: so at most max(cap, slots held) + 1 passes. Bounded by
     the cap alone, an admission above a lowered cap stopped before the newcomer it took the slots back for got one."""
-    held_before = Task.objects.filter(status__in=_SLOT_STATUSES).count() + 1  # with the slot the first pass took
+    held_before = _slots_held() + 1  # with the slot the first pass took
     return max(system_policy().max_running, held_before) + 1
 
 
@@ -267,7 +283,7 @@ def _admit_once(*, now: datetime, take_back: bool) -> list[int]:
         return []  # nobody waits (one probe of task_queued_idx): no slot to fill, none to take back
     system = system_policy()
     take_back = take_back and settings.LONGHAUL_TAKE_SLOTS_BACK
-    free = system.max_running - Task.objects.filter(status__in=_SLOT_STATUSES).count()
+    free = system.max_running - _slots_held()
     if free <= 0 and not take_back:
         return []  # nothing to fill, nothing to take back: no need to read who waits
     queues = waiting_tenants()
@@ -341,6 +357,17 @@ def _anyone_queued() -> bool:
     return Task.objects.filter(status=TaskStatus.QUEUED).exists()
 
 
+# The slots held, written out for the same reason: asked at every admission that finds a task queued.
+_SLOT_LITERALS = ", ".join(f"'{status}'" for status in _SLOT_STATUSES)  # as task_slot_idx's condition
+_SLOTS_HELD = f'SELECT count(*) FROM "{Task._meta.db_table}" WHERE "status" IN ({_SLOT_LITERALS})'
+
+
+def _slots_held() -> int:
+    if connection.vendor == "postgresql":
+        return prepared.fetchone(_SLOTS_HELD, [])[0]
+    return Task.objects.filter(status__in=_SLOT_STATUSES).count()
+
+
 def _serialize_admission() -> None:
     """One admitter at a time, until its transaction ends, so no cap is exceeded by a race.
 
@@ -353,22 +380,31 @@ def _serialize_admission() -> None:
 
 
 def waiting_tenants() -> list[TenantQueue]:
-    """Tenants with queued tasks and a free slot of their own, with the slots they hold.
+    """Tenants with queued tasks and a free slot of their own, with the slots they hold, whether they have one task
+    queued, no more, and whether one is queued to cancel.
 
-    One index probe per tenant into task_queued_idx (queued?) and task_slot_idx (held).
+    Index probes per tenant into task_queued_idx (queued?), task_slot_idx (held) and task_cancel_queued_idx.
     """
+    return [TenantQueue(tenant_id=pk, weight=w, max_running=m, max_queued=q, running=r, queued_one=one,
+                        cancelling=cancelling)
+            for pk, w, m, q, r, one, cancelling in _waiting_tenant_rows()]
+
+
+@compiled_once  # asked at every admission that finds a task queued: built by the ORM, it cost more than it ran
+def _waiting_tenant_rows() -> QuerySet:
     held = (
         Task.objects.filter(tenant=OuterRef("pk"), status__in=_SLOT_STATUSES)
         .order_by().values("tenant").annotate(n=Count("*")).values("n")
     )
-    rows = (
+    cancelling = Task.objects.filter(tenant=OuterRef("pk"), status=TaskStatus.QUEUED,
+                                     waiting_reason=transitions.CANCEL_WAIT)
+    return (
         Tenant.objects.filter(Exists(Task.objects.filter(tenant=OuterRef("pk"), status=TaskStatus.QUEUED)))
-        .annotate(running=Coalesce(Subquery(held), 0))
+        .annotate(running=Coalesce(Subquery(held), 0), queued_one=_QUEUED_ONE, cancelling=Exists(cancelling))
         .filter(running__lt=F("max_running"))
         .order_by("pk")
-        .values_list("pk", "weight", "max_running", "max_queued", "running")
+        .values_list("pk", "weight", "max_running", "max_queued", "running", "queued_one", "cancelling")
     )
-    return [TenantQueue(tenant_id=pk, weight=w, max_running=m, max_queued=q, running=r) for pk, w, m, q, r in rows]
 
 
 def _head(task: Task) -> policy.Head:
@@ -376,7 +412,7 @@ def _head(task: Task) -> policy.Head:
                        cancelling=task.waiting_reason == transitions.CANCEL_WAIT)
 
 
-def head_of_queue(tenant_id: int, *, now: datetime, aging: float | None = None) -> Task | None:
+def head_of_queue(tenant_id: int, *, now: datetime, aging: float | None = None, cancelling: bool = True) -> Task | None:
     """The tenant's queued task to cancel, else the one with the highest effective priority,
     locked for admission.
 
@@ -386,10 +422,12 @@ def head_of_queue(tenant_id: int, *, now: datetime, aging: float | None = None) 
     most 21 with the API's priority range), without reading the rest of the queue.
     Rows locked by someone else (a cancel in flight) are skipped, not waited for:
     waiting here, under the admission lock, could deadlock with that transaction.
+    `cancelling=False`: the caller read, under the admission lock, that none of the tenant's queued tasks is
+    queued to cancel (waiting_tenants); whoever queues one admits after this admission.
     """
-    cancelling = _cancel_waiting(tenant_id)
-    if cancelling is not None:
-        return cancelling
+    first = _cancel_waiting(tenant_id) if cancelling else None
+    if first is not None:
+        return first
     ids = _level_head_ids(tenant_id)
     if not ids:
         return None

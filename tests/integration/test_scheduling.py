@@ -248,9 +248,37 @@ def test_admission_reads_the_heads_of_queues_not_whole_queues(acme, alice, globe
     assert len(long_queues) == len(short_queues)
     row_reads = [q["sql"] for q in long_queues.captured_queries
                  if q["sql"].startswith("SELECT") and '"tasks_task"."public_id"' in q["sql"]]
-    cancel_probes = [sql for sql in row_reads if '"tasks_task"."waiting_reason" = \'cancel\'' in sql]
+    assert not [sql for sql in row_reads if _cancel_probe(sql)], "nobody's task is queued to cancel: none is looked for"
+    assert row_reads and all('"tasks_task"."id" IN (' in sql for sql in row_reads), "only heads are read, by id"
+
+
+def _cancel_probe(sql: str) -> bool:
+    return '"tasks_task"."public_id"' in sql and '"tasks_task"."waiting_reason" = \'cancel\'' in sql
+
+
+def test_a_task_queued_to_cancel_goes_first_read_alone(acme, alice, globex, charlie):
+    Tenant.objects.update(max_running=0)
+    for priority in (-10, 5, 10):  # acme's oldest at -10 heads that level: the cancel's is found by its own probe
+        make_task(acme, alice, priority=priority)
+        make_task(globex, charlie, priority=priority)
+    cancelling = make_task(acme, alice, priority=-10, waiting_reason="cancel", cancel_requested_at=clock.now())
+    Tenant.objects.update(max_running=1)
+    with CaptureQueriesContext(connection) as queries:
+        admitted = admit()
+    assert cancelling.pk in admitted, "its cancel frees the remote work it holds: it goes before any priority"
+    probes = [q["sql"] for q in queries.captured_queries if _cancel_probe(q["sql"])]
     locked = " FOR UPDATE SKIP LOCKED" if connection.vendor == "postgresql" else ""  # SQLite locks no rows
-    assert cancel_probes and all(sql.endswith(f"LIMIT 1{locked}") for sql in cancel_probes)
-    heads = [sql for sql in row_reads if sql not in cancel_probes]
-    assert heads and all('"tasks_task"."id" IN (' in sql for sql in heads), "only heads are read, by id"
+    assert len(probes) == 1 and probes[0].endswith(f"LIMIT 1{locked}"), "acme's queue alone, for one row"
+
+
+def test_a_tenant_with_one_task_queued_has_its_queue_read_once(acme, alice, globex, charlie):
+    Tenant.objects.update(max_running=0)
+    alone = make_task(acme, alice)
+    several = [make_task(globex, charlie, priority=priority) for priority in (0, 1, 1)]
+    Tenant.objects.update(max_running=4)
+    with CaptureQueriesContext(connection) as queries:
+        assert sorted(admit()) == sorted([alone.pk, *(task.pk for task in several)])
+    queue_reads = [q["sql"] for q in queries.captured_queries if "WITH RECURSIVE levels" in q["sql"]]
+    # acme's queue once; globex's at each of its three admissions, and once more to find it empty.
+    assert len(queue_reads) == 1 + 4, queue_reads
 
