@@ -51,7 +51,20 @@ from django.db.models import BooleanField, Case, Count, F, Min, OuterRef, Q, Que
 from django.db.models.functions import RowNumber
 from django.db.models.sql.subqueries import InsertQuery
 
-from tasks import broker, clock, drain, events, kicks, leases, pools, requested, sealed, transitions, typed_sql
+from tasks import (
+    broker,
+    clock,
+    drain,
+    events,
+    kicks,
+    leases,
+    pools,
+    prepared,
+    requested,
+    sealed,
+    transitions,
+    typed_sql,
+)
 from tasks.budgets import Budget
 from tasks.compiled import compiled_once
 from tasks.context import digest
@@ -642,7 +655,7 @@ def record_many(outcomes: Sequence[Outcome], *, owner: str) -> list[bool | Excep
     If one outcome cannot be recorded, the batch is rolled back and each is recorded alone: the others
     still land."""
     now = clock.now()
-    guard = Q(status=OperationStatus.STARTED, lease_owner=owner)
+    guard = Lease(owner)
     closing = [_Closing(o.op_id, guard, o.fields(now), o.retries_used) for o in outcomes]
     try:
         return list(_finish_many(closing))
@@ -660,9 +673,19 @@ def record_many(outcomes: Sequence[Outcome], *, owner: str) -> list[bool | Excep
 
 
 @dataclass(frozen=True)
+class Lease:
+    """A closing's guard: the call is still started under `owner`'s lease (a gateway job recording what it ran)."""
+
+    owner: str
+
+    def q(self) -> Q:
+        return Q(status=OperationStatus.STARTED, lease_owner=self.owner)
+
+
+@dataclass(frozen=True)
 class _Closing:
     op_id: int
-    guard: Q  # what must still hold for this job to close it (its lease)
+    guard: Q | Lease  # what must still hold for this job to close it
     fields: dict[str, Any]  # with finished_at
     retries_used: int = 0
 
@@ -682,10 +705,9 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
     closed a few statements a batch, not one or more a call: a wave of outcomes is one recorder's work. The
     steps made due are kicked together, as many kicks as there are workers (kicks.kick_steps)."""
     with transaction.atomic():
-        ops = Operation.objects.only("task_id", "step", "key", "has_side_effects").in_bulk(
-            [c.op_id for c in closing])
+        op_ids = [c.op_id for c in closing]
         tasks = {t.pk: t for t in Task.objects.select_for_update().filter(
-            pk__in={op.task_id for op in ops.values()}).order_by("pk")}
+            pk__in=Operation.objects.filter(pk__in=op_ids).values("task_id")).order_by("pk")}
         held = _held(closing)
         # Not held: gone, or our lease expired and another job took the operation over.
         closed = [c.op_id in held for c in closing]
@@ -693,7 +715,7 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
         written: list[tuple[Operation, dict[str, Any]]] = []
         for c in closing:
             if c.op_id in held:
-                op = ops[c.op_id]
+                op = held[c.op_id]
                 written.append((op, sealed.wrap(Operation, tasks[op.task_id].tenant_id, c.fields)))
                 retries[op.task_id] += c.retries_used
         _store(written)
@@ -711,14 +733,32 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
     return closed
 
 
-def _held(closing: Sequence[_Closing]) -> set[int]:
-    """The calls whose guard still holds (the closing job's lease), locked until the commit: one
-    statement for a batch, whose calls share their job's guard."""
-    by_guard: dict[Q, list[int]] = {}
+# What closing a call reads of it, in the model's order of fields (as Model.from_db takes a row's values).
+_HELD_FIELDS = [field for field in Operation._meta.concrete_fields
+                if field.attname in {"id", "task_id", "step", "key", "has_side_effects"}]
+_HELD_COLUMNS = tuple(field.attname for field in _HELD_FIELDS)
+_HELD_SELECT = ", ".join(f'"{field.column}"' for field in _HELD_FIELDS)
+# A recorder's calls still under its lease, locked: at every batch, so written out and prepared (tasks/prepared.py).
+_HELD_UNDER_LEASE = (f'SELECT {_HELD_SELECT} FROM "{Operation._meta.db_table}" WHERE "id" = ANY(%s) '
+                     f"AND \"status\" = '{OperationStatus.STARTED.value}' AND \"lease_owner\" = %s FOR UPDATE")
+
+
+def _held(closing: Sequence[_Closing]) -> dict[int, Operation]:
+    """The calls whose guard still holds (the closing job's lease), locked until the commit, with what closing them
+    reads: one statement for a batch, whose calls share their job's guard."""
+    by_guard: dict[Q | Lease, list[int]] = {}
     for c in closing:
         by_guard.setdefault(c.guard, []).append(c.op_id)
-    return {pk for guard, ids in by_guard.items() for pk in Operation.objects.select_for_update(of=("self",))
-            .filter(guard, pk__in=ids).values_list("pk", flat=True)}
+    held: dict[int, Operation] = {}
+    for guard, ids in by_guard.items():
+        if isinstance(guard, Lease) and connection.vendor == "postgresql":
+            rows = prepared.rows(_HELD_UNDER_LEASE, [ids, guard.owner])
+            held.update((row[0], Operation.from_db(connection.alias, _HELD_COLUMNS, row)) for row in rows)
+        else:
+            q = guard.q() if isinstance(guard, Lease) else guard
+            held.update((op.pk, op) for op in Operation.objects.select_for_update(of=("self",))
+                        .filter(q, pk__in=ids).only(*_HELD_COLUMNS))
+    return held
 
 
 def _store(rows: list[tuple[Operation, dict[str, Any]]]) -> None:
@@ -735,11 +775,20 @@ def _store(rows: list[tuple[Operation, dict[str, Any]]]) -> None:
                 Operation.objects.filter(pk=pk).update(**fields)
 
 
+# The calls still out of a recorder's tasks: at every batch, so written out and prepared.
+_FINISHED_LITERALS = ", ".join(f"'{status}'" for status in FINISHED)
+_CALLS_OUT_OF = (f'SELECT "task_id", "step", "key" FROM "{Operation._meta.db_table}" WHERE "task_id" = ANY(%s) '
+                 f"AND \"mode\" = '{GATEWAY.value}' AND NOT \"status\" IN ({_FINISHED_LITERALS})")
+
+
 def _steps_with_calls_out(task_ids: set[int]) -> set[tuple[int, int]]:
     """(task, step) pairs with a call still out that the task waits for (not a watch, not an abandon)."""
-    return {(task_id, step) for task_id, step, key in Operation.objects.filter(
-        task_id__in=task_ids, mode=GATEWAY).exclude(status__in=FINISHED).values_list("task_id", "step", "key")
-        if _awaited(key)}
+    if connection.vendor == "postgresql":
+        rows = prepared.rows(_CALLS_OUT_OF, [sorted(task_ids)])
+    else:
+        rows = (Operation.objects.filter(task_id__in=task_ids, mode=GATEWAY).exclude(status__in=FINISHED)
+                .values_list("task_id", "step", "key"))
+    return {(task_id, step) for task_id, step, key in rows if _awaited(key)}
 
 
 def _awaited(key: str) -> bool:

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from django.db import DEFAULT_DB_ALIAS, NotSupportedError, connection, connections
@@ -40,6 +40,7 @@ from django.db.backends.utils import CursorDebugWrapper, CursorWrapper
 # left at None, psycopg neither counts nor keeps Django's own statements (the text of each, values included).
 _ONLY_WHEN_ASKED = 2**31 - 1
 _RESULT_CHANGED = "cached plan must not change result type"
+T = TypeVar("T")
 
 
 class _NumberedCursor(psycopg.RawCursor):
@@ -108,13 +109,23 @@ class _LoggedCursor(CursorDebugWrapper):
 
 def fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
     """The first row of `sql`, prepared (PostgreSQL only)."""
+    return _prepared(_fetchone, sql, params)
+
+
+def rows(sql: str, params: Sequence[Any]) -> list[tuple]:
+    """Every row of `sql`, prepared (PostgreSQL only): for a statement whose text does not change with its values
+    (a list of them passed as one array, `= ANY(%s)`); `fetchall` sends one whose text does, unprepared."""
+    return _prepared(_rows, sql, params)
+
+
+def _prepared(read: Callable[[str, Sequence[Any]], T], sql: str, params: Sequence[Any]) -> T:
     try:
-        return _fetchone(sql, params)
+        return read(sql, params)
     except NotSupportedError as exc:
         if _RESULT_CHANGED not in str(exc) or connection.in_atomic_block:
             raise  # (in a transaction, its rollback drops the connection's prepared statements)
         connection.close()  # the next connection prepares the statement again, with the new column type
-        return _fetchone(sql, params)
+        return read(sql, params)
 
 
 def execute(sql: str, params: Sequence[Any]) -> None:
@@ -142,6 +153,12 @@ def _fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
     with _cursor() as cursor:
         cursor.execute(sql, params)
         return cursor.fetchone()
+
+
+def _rows(sql: str, params: Sequence[Any]) -> list[tuple]:
+    with _cursor() as cursor:
+        cursor.execute(sql, params)
+        return cursor.fetchall()
 
 
 def database() -> BaseDatabaseWrapper:

@@ -172,6 +172,22 @@ def test_a_batch_reads_none_of_the_threads_of_the_tasks_it_moves(acme, alice):
     assert made_due() == sorted(task.pk for task in tasks), "each moved on, its event written"
 
 
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_reads_its_calls_once_as_it_locks_them(acme, alice):
+    ops = [waiting(acme, alice)[1][0] for _ in range(3)]
+    Operation.objects.filter(pk=ops[0].pk).update(lease_owner="gw:2")  # taken over: not this job's to close
+
+    with CaptureQueriesContext(connection) as sent:
+        assert operations.record_many([outcome(op) for op in ops], owner=OWNER) == [False, True, True]
+    table = Operation._meta.db_table
+    by_id = ('"id" = ANY(', f'"{table}"."id" IN (')  # as written out (PostgreSQL), as the ORM writes it (SQLite)
+    reads = [q["sql"] for q in sent.captured_queries
+             if q["sql"].startswith("SELECT") and f'FROM "{table}"' in q["sql"] and any(s in q["sql"] for s in by_id)]
+    locked = " FOR UPDATE" if connection.vendor == "postgresql" else ""  # SQLite locks no rows
+    assert len(reads) == 1 and reads[0].endswith(locked), reads
+    assert made_due() == sorted(op.task_id for op in ops[1:])
+
+
 def record_one_then_ten(one: Operation, ten: list[Operation]) -> tuple[list[str], list[str]]:
     """The statements (their start) sent to record the outcome of `one` alone, then those of `ten` together,
     each the last call of its task's step: every task is made due, and kicked together."""

@@ -420,6 +420,17 @@ def test_a_batch_statement_sent_numbered_is_refused_for_a_wrong_count_of_values_
     assert prepared.rowcount("SELECT n FROM unnest(%s::int[]) AS t(n)", [[1, 2, 3]]) == 3
 
 
+@pytest.mark.skipif("connection.vendor != 'postgresql'", reason="prepared statements are PostgreSQL's")
+def test_a_statement_given_its_list_as_one_array_is_prepared_once_and_answers_every_row():
+    """prepared.rows: a statement whose text a list of values does not change (`= ANY(%s)`), prepared."""
+    sql = "SELECT n FROM unnest(%s::bigint[]) AS t(n) WHERE n > %s ORDER BY n"
+    assert prepared.rows(sql, [[3, 1, 2], 1]) == [(2,), (3,)]
+    assert prepared.rows(sql, [[5, 2**40], 1]) == [(5,), (2**40,)], "larger values, the same statement"
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT count(*) FROM pg_prepared_statements WHERE statement LIKE %s", ["%unnest($1::bigint[])%"])
+        assert cursor.fetchone()[0] >= 1
+
+
 @pytest.mark.skipif("connection.vendor != 'postgresql'", reason="the one-statement claim is PostgreSQL's")
 def test_the_claimed_task_is_its_row_as_a_read_of_it_would_be(acme, alice, settings):
     settings.LONGHAUL_STEP_SLICE_MS = 0
