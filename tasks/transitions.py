@@ -564,18 +564,43 @@ def _move_quietly(tasks: list[Task], to: TaskStatus, *, now: datetime, guard: Q,
         return []
     assert to in HOLDS_SLOT and to not in TOLD, f"a move to {to} has consequences"
     assert all(task.status in HOLDS_SLOT for task in tasks), "a move that needs a slot has consequences"
+    values = {**fields, "status": to, "updated_at": now}
+    if connection.vendor == "postgresql":
+        # Written out (at every batch of calls recorded): the ORM built the OR of the tasks as read at each.
+        sql, params = _update_as_read(tasks, values, guard, seq=False)
+        return _as_moved(tasks, {row[0] for row in prepared.fetchall(sql, params)}, values)
     as_read = Q()
     for task in tasks:
         as_read |= Q(pk=task.pk, status=task.status, version=task.version)
     # The primary keys apart as well: the OR alone, planned over the task table's many indexes, may scan one of them.
     query = Task.objects.filter(as_read, pk__in=[task.pk for task in tasks]).filter(guard).query.chain(UpdateQuery)
-    values = {**fields, "status": to, "updated_at": now}
     query.add_update_values({**values, "version": F("version") + 1})  # none sealed: the tasks' tenants may differ
     sql, params = query.get_compiler(connection=connection).as_sql()
     with connection.cursor() as cursor:
         cursor.execute(f"{sql} RETURNING {connection.ops.quote_name(Task._meta.pk.column)}", params)
         won = {row[0] for row in cursor.fetchall()}
     return _as_moved(tasks, won, values)
+
+
+def _update_as_read(tasks: list[Task], values: dict[str, Any], guard: Q, *, seq: bool) -> tuple[str, list[Any]]:
+    """PostgreSQL: one UPDATE of the rows of `tasks` still as each was read (status and version) and meeting
+    `guard`, writing `values` (none sealed: the tasks' tenants may differ) and the version bumped, and the seq
+    (one reserved a row) if `seq`. RETURNING each moved row's id and seq."""
+    qn = connection.ops.quote_name
+    table, last_seq = qn(Task._meta.db_table), qn("last_event_seq")
+    written_as = typed_sql.set_items(Task, values)
+    assert written_as is not None, f"values the ORM would write as SQL of its own: {values}"
+    items, params = written_as
+    items += [f"{qn('version')} = {table}.{qn('version')} + 1", *([f"{last_seq} = {last_seq} + 1"] if seq else [])]
+    as_read = [Task._meta.pk, Task._meta.get_field("status"), Task._meta.get_field("version")]
+    read_as = ", ".join([f"({', '.join(map(typed_sql.typed_param, as_read))})"] * len(tasks))
+    params += [value for task in tasks for value in (task.pk, task.status, task.version)]
+    guard_sql, guard_params = _guard_sql(guard)
+    params += guard_params
+    sql = (f"UPDATE {table} SET {', '.join(items)} FROM (VALUES {read_as}) AS r(id, status, version) "
+           f"WHERE {table}.{qn('id')} = r.id AND {table}.{qn('status')} = r.status "
+           f"AND {table}.{qn('version')} = r.version AND {guard_sql} RETURNING {table}.{qn('id')}, {table}.{last_seq}")
+    return sql, params
 
 
 def _as_moved(tasks: list[Task], won: Collection[int], values: dict[str, Any]) -> list[Task]:
@@ -601,17 +626,9 @@ def _move_telling_each(tasks: list[Task], to: TaskStatus, event: NewEvent, *, no
     assert all(task.status in HOLDS_SLOT for task in tasks), "a move that needs a slot has consequences"
     assert len({task.pk for task in tasks}) == len(tasks), "a task moved twice would write two events on one seq"
     qn = connection.ops.quote_name
-    table, seq = qn(Task._meta.db_table), qn("last_event_seq")
+    seq = qn("last_event_seq")
     values = {**fields, "status": to, "updated_at": now}
-    written_as = typed_sql.set_items(Task, values)  # none sealed: the tasks' tenants may differ
-    assert written_as is not None, f"values the ORM would write as SQL of its own: {values}"
-    items, params = written_as
-    items += [f"{seq} = {seq} + 1", f"{qn('version')} = {table}.{qn('version')} + 1"]
-    as_read = [Task._meta.pk, Task._meta.get_field("status"), Task._meta.get_field("version")]
-    read_as = ", ".join([f"({', '.join(map(typed_sql.typed_param, as_read))})"] * len(tasks))
-    params += [value for task in tasks for value in (task.pk, task.status, task.version)]
-    guard_sql, guard_params = _guard_sql(guard)
-    params += guard_params
+    update, params = _update_as_read(tasks, values, guard, seq=True)
     logged = {task.pk: unsaved(task, [NewEvent(event.kind, dict(event.data))], last=1, status=to, at=now)[0]
               for task in tasks}
     fields_of_event = [field for field in _inserted_fields(TaskEvent) if field.attname != "seq"]
@@ -621,9 +638,7 @@ def _move_telling_each(tasks: list[Task], to: TaskStatus, event: NewEvent, *, no
     columns = [qn(field.column) for field in fields_of_event]
     seq_column = qn(TaskEvent._meta.get_field("seq").column)
     names = [f"e{n}" for n in range(len(columns))]
-    sql = (f"WITH moved AS (UPDATE {table} SET {', '.join(items)} FROM (VALUES {read_as}) AS r(id, status, version) "
-           f"WHERE {table}.{qn('id')} = r.id AND {table}.{qn('status')} = r.status "
-           f"AND {table}.{qn('version')} = r.version AND {guard_sql} RETURNING {table}.{qn('id')}, {table}.{seq}), "
+    sql = (f"WITH moved AS ({update}), "
            f"saved AS (INSERT INTO {qn(TaskEvent._meta.db_table)} ({', '.join(columns)}, {seq_column}) "
            f"SELECT {', '.join(f'e.{name}' for name in names)}, moved.{seq} FROM moved "
            f"JOIN (VALUES {rows}) AS e(task_id, {', '.join(names)}) ON e.task_id = moved.{qn('id')}) "
