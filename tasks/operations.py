@@ -706,8 +706,7 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
     steps made due are kicked together, as many kicks as there are workers (kicks.kick_steps)."""
     with transaction.atomic():
         op_ids = [c.op_id for c in closing]
-        tasks = {t.pk: t for t in Task.objects.select_for_update().filter(
-            pk__in=Operation.objects.filter(pk__in=op_ids).values("task_id")).order_by("pk")}
+        tasks = {t.pk: t for t in _lock_tasks_of(op_ids)}
         held = _held(closing)
         # Not held: gone, or our lease expired and another job took the operation over.
         closed = [c.op_id in held for c in closing]
@@ -734,6 +733,20 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
 
 
 # What closing a call reads of it, in the model's order of fields (as Model.from_db takes a row's values).
+# The tasks of a recorder's calls, locked in id order: at every batch, so written out (its text does not change
+# with the batch); the ORM's model path still makes the rows tasks, and opens their sealed columns.
+_TASK_COLUMNS = ", ".join(f'"{field.column}"' for field in Task._meta.concrete_fields)
+_TASKS_OF_CALLS = (f'SELECT {_TASK_COLUMNS} FROM "{Task._meta.db_table}" WHERE "id" IN (SELECT "task_id" FROM '
+                   f'"{Operation._meta.db_table}" WHERE "id" = ANY(%s)) ORDER BY "id" FOR UPDATE')
+
+
+def _lock_tasks_of(op_ids: list[int]) -> Iterable[Task]:
+    if connection.vendor == "postgresql":
+        return Task.objects.raw(_TASKS_OF_CALLS, [op_ids])
+    return Task.objects.select_for_update().filter(
+        pk__in=Operation.objects.filter(pk__in=op_ids).values("task_id")).order_by("pk")
+
+
 _HELD_FIELDS = [field for field in Operation._meta.concrete_fields
                 if field.attname in {"id", "task_id", "step", "key", "has_side_effects"}]
 _HELD_COLUMNS = tuple(field.attname for field in _HELD_FIELDS)

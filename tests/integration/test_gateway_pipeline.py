@@ -181,11 +181,28 @@ def test_a_batch_reads_its_calls_once_as_it_locks_them(acme, alice):
         assert operations.record_many([outcome(op) for op in ops], owner=OWNER) == [False, True, True]
     table = Operation._meta.db_table
     by_id = ('"id" = ANY(', f'"{table}"."id" IN (')  # as written out (PostgreSQL), as the ORM writes it (SQLite)
-    reads = [q["sql"] for q in sent.captured_queries
-             if q["sql"].startswith("SELECT") and f'FROM "{table}"' in q["sql"] and any(s in q["sql"] for s in by_id)]
+    reads = [q["sql"] for q in sent.captured_queries if q["sql"].startswith("SELECT")
+             and q["sql"].split(" FROM ", 1)[1].startswith(f'"{table}"') and any(s in q["sql"] for s in by_id)]
     locked = " FOR UPDATE" if connection.vendor == "postgresql" else ""  # SQLite locks no rows
     assert len(reads) == 1 and reads[0].endswith(locked), reads
     assert made_due() == sorted(op.task_id for op in ops[1:])
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_tasks_a_batch_locks_read_as_the_orm_reads_them(acme, alice, globex, charlie):
+    (mine, [a]), (theirs, [b]) = waiting(acme, alice), waiting(globex, charlie)
+    Task.objects.filter(pk=mine.pk).update(question="Which sources?")  # sealed, with acme's key
+
+    with transaction.atomic():
+        locked = list(operations._lock_tasks_of([b.pk, a.pk]))
+
+    assert [task.pk for task in locked] == sorted([mine.pk, theirs.pk]), "in id order"
+    for task in locked:
+        as_read = Task.objects.get(pk=task.pk)
+        assert not task.get_deferred_fields()
+        assert {f.attname: getattr(task, f.attname) for f in Task._meta.concrete_fields} == {
+            f.attname: getattr(as_read, f.attname) for f in Task._meta.concrete_fields}
+    assert locked[[t.pk for t in locked].index(mine.pk)].question == "Which sources?"
 
 
 def record_one_then_ten(one: Operation, ten: list[Operation]) -> tuple[list[str], list[str]]:
