@@ -732,7 +732,6 @@ def _finish_many(closing: Sequence[_Closing]) -> list[bool]:
     return closed
 
 
-# What closing a call reads of it, in the model's order of fields (as Model.from_db takes a row's values).
 # The tasks of a recorder's calls, locked in id order: at every batch, so written out (its text does not change
 # with the batch); the ORM's model path still makes the rows tasks, and opens their sealed columns.
 _TASK_COLUMNS = ", ".join(f'"{field.column}"' for field in Task._meta.concrete_fields)
@@ -741,12 +740,14 @@ _TASKS_OF_CALLS = (f'SELECT {_TASK_COLUMNS} FROM "{Task._meta.db_table}" WHERE "
 
 
 def _lock_tasks_of(op_ids: list[int]) -> Iterable[Task]:
+    """The tasks of these calls, locked until the commit, in id order (two recorders never wait in a circle)."""
     if connection.vendor == "postgresql":
         return Task.objects.raw(_TASKS_OF_CALLS, [op_ids])
     return Task.objects.select_for_update().filter(
         pk__in=Operation.objects.filter(pk__in=op_ids).values("task_id")).order_by("pk")
 
 
+# What closing a call reads of it, in the model's order of fields (as Model.from_db takes a row's values).
 _HELD_FIELDS = [field for field in Operation._meta.concrete_fields
                 if field.attname in {"id", "task_id", "step", "key", "has_side_effects"}]
 _HELD_COLUMNS = tuple(field.attname for field in _HELD_FIELDS)
