@@ -78,12 +78,10 @@ def check_queue_capacity(tenant: Tenant, *, priority: int) -> None:
     A soft cap: two submissions racing for the last place may both get it. Tasks queued only to
     cancel their remote work count in no queue.
     """
-    tenant_queue = Task.objects.filter(tenant=tenant, status=TaskStatus.QUEUED).exclude(
-        waiting_reason=transitions.CANCEL_WAIT)
     refused = policy.refusal(
-        tenant_policy(tenant), system_policy(), priority=priority, queued=tenant_queue.count(),
-        median=lambda: median_priority(tenant_queue),
-        system_queued=lambda: Task.objects.filter(status=TaskStatus.QUEUED).count())
+        tenant_policy(tenant), system_policy(), priority=priority, queued=_queued_to_run(tenant.pk),
+        median=lambda: median_priority(_queue_to_run().filter(tenant=tenant)),
+        system_queued=lambda: _queued_to_run(None))
     if refused is None:
         return
     queued = refused.queued
@@ -96,6 +94,27 @@ def check_queue_capacity(tenant: Tenant, *, priority: int) -> None:
     else:
         message = "the system queue is full"
     raise QuotaExceeded(message, retry_after=QUEUE_FULL_RETRY_AFTER, rule=refused.rule)
+
+
+def _queue_to_run() -> QuerySet[Task]:
+    """The tasks queued to run: not those queued only to cancel their remote work."""
+    return Task.objects.filter(status=TaskStatus.QUEUED).exclude(waiting_reason=transitions.CANCEL_WAIT)
+
+
+# The tasks queued to run, of a tenant and of the system: asked at every submission, so written out and prepared.
+_QUEUED_TO_RUN = (f'SELECT count(*) FROM "{Task._meta.db_table}" WHERE "status" = \'{TaskStatus.QUEUED.value}\' '
+                  f"AND NOT \"waiting_reason\" = '{transitions.CANCEL_WAIT}'")
+_QUEUED_TO_RUN_OF = f'{_QUEUED_TO_RUN} AND "tenant_id" = %s'
+
+
+def _queued_to_run(tenant_id: int | None) -> int:
+    """How many tasks are queued to run: the tenant's, or the whole system's (None)."""
+    if connection.vendor == "postgresql":
+        if tenant_id is None:
+            return prepared.fetchone(_QUEUED_TO_RUN, [])[0]
+        return prepared.fetchone(_QUEUED_TO_RUN_OF, [tenant_id])[0]
+    queue = _queue_to_run()
+    return (queue if tenant_id is None else queue.filter(tenant_id=tenant_id)).count()
 
 
 def median_priority(queue: QuerySet[Task]) -> int | None:

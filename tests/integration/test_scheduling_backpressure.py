@@ -114,6 +114,17 @@ def test_a_task_queued_only_to_cancel_counts_in_no_queue(alice_api, acme, alice)
     assert submit_at(alice_api, "after-two-cancels", 0).status_code == 201
 
 
+def test_a_task_queued_only_to_cancel_counts_in_no_queue_of_the_system_either(alice_api, acme, globex, charlie,
+                                                                              settings):
+    settings.LONGHAUL_MAX_QUEUED = 2
+    Tenant.objects.update(max_running=0)
+    make_task(globex, charlie, waiting_reason="cancel", cancel_requested_at=clock.now())
+    make_task(globex, charlie, waiting_reason="cancel", cancel_requested_at=clock.now())
+    assert submit(alice_api, key="after-their-cancels").status_code == 201
+    make_task(globex, charlie)
+    assert submit(alice_api, key="now-full").status_code == 429, "two queued to run: the system's queue is full"
+
+
 def test_the_median_of_a_queue_is_its_lower_middle_priority(acme, alice):
     queue = Task.objects.filter(tenant=acme, status="queued")
     assert scheduling.median_priority(queue) is None
