@@ -114,7 +114,9 @@ def fetchone(sql: str, params: Sequence[Any]) -> tuple | None:
 
 def rows(sql: str, params: Sequence[Any]) -> list[tuple]:
     """Every row of `sql`, prepared (PostgreSQL only): for a statement whose text does not change with its values
-    (a list of them passed as one array, `= ANY(%s)`); `fetchall` sends one whose text does, unprepared."""
+    (a list of them passed as one array, `= ANY(%s)`); `fetchall` sends one whose text does, unprepared. psycopg
+    keeps one prepared statement a set of parameter types: an array of ids is smallint[], integer[] or bigint[] by
+    its largest, so at most three."""
     return _prepared(_rows, sql, params)
 
 
